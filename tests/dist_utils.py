@@ -1,0 +1,32 @@
+"""Run a function on N gloo processes and fail the test if any rank fails."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args) -> None:
+    """Call ``fn(*args)`` on ``world_size`` freshly spawned gloo ranks (``fn`` must be importable)."""
+    with tempfile.TemporaryDirectory() as d:
+        init_file = os.path.join(d, "store")
+        mp.spawn(_worker, args=(fn, world_size, init_file, args), nprocs=world_size, join=True)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol=1e-5, atol=1e-6) -> None:
+    """fp32 comparison; atol is scaled by the reference's magnitude so tiny gradients are still checked."""
+    scale = expected.abs().max().item() or 1.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * scale, msg=lambda m: f"{what}: {m}")

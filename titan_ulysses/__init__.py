@@ -1,0 +1,3 @@
+"""titan-ulysses: Ulysses sequence parallelism for long-context Llama training."""
+
+__version__ = "0.1.0"

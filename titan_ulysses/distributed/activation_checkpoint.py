@@ -1,0 +1,65 @@
+"""Activation checkpointing per transformer block.
+
+* ``full``: recompute the whole block in backward (including the Ulysses all-to-alls).
+* ``selective``: op-level selective checkpointing: keep the outputs of matmuls, attention
+  kernels and collectives, recompute the cheap elementwise work (norms, RoPE, SiLU) --
+  so backward neither redoes an all-to-all nor an attention forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+AC_MODES = ("none", "full", "selective")
+
+
+# Ops whose outputs selective AC keeps; looked up by name, since the set of attention
+# kernels differs between PyTorch builds.
+_SAVE_OPS = (
+    "aten.mm",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "_c10d_functional.all_to_all_single",
+    "_c10d_functional.reduce_scatter_tensor",
+)
+
+
+def _save_list() -> set:
+    ops = set()
+    for name in _SAVE_OPS:
+        namespace, op = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None:
+            ops.add(packet.default)
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    if flex is not None:
+        ops.add(flex)
+    return ops
+
+
+def _selective_policy(save_ops, ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if func in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(functools.partial(_selective_policy, _save_list()))
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    if mode not in AC_MODES:
+        raise ValueError(f"activation_checkpoint.mode {mode!r} is not one of {list(AC_MODES)}")
+    if mode == "none":
+        return
+    for name, block in model.layers.named_children():
+        if mode == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_context)
+        model.layers.register_module(name, wrapped)

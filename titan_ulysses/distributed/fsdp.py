@@ -1,0 +1,39 @@
+"""FSDP2 over dp_shard x sp (HSDP when dp_replicate > 1).
+
+Sequence-parallel ranks hold the same parameters but see different tokens, so the sp
+dimension is part of the FSDP mesh: parameters, gradients and optimizer state are
+sharded over it and gradients are reduced over it -- also when there is no data
+parallelism at all.
+
+Gradients are *summed*, not averaged: each rank's loss is already divided by the token
+count of the whole global batch (see ``distributed/utils.py``), so the sum over ranks is
+exactly the single-device gradient of the global mean loss, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+) -> None:
+    """Shard each block, then the root (embeddings, final norm, output).
+
+    ``dp_mesh`` is ``mesh["dp_shard_sp"]`` or, for HSDP, ``mesh["dp_replicate", "dp_shard_sp"]``.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    # the root is needed first in backward: keep its parameters gathered after forward
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)

@@ -1,0 +1,161 @@
+"""Ulysses sequence parallelism: the all-to-all exchanges and the attention wrapper.
+
+Each of the P ranks of the ``sp`` mesh holds a contiguous slice of every sequence.
+Attention needs the whole sequence, so before it one all-to-all turns
+
+    [B, S/P, H, D]  (my tokens, all heads)   into   [B, S, H/P, D]  (all tokens, my heads)
+
+and after it a second all-to-all turns the output back. q, k and v travel in one
+collective. Both exchanges are differentiable (the backward of an all-to-all is the
+all-to-all in the other direction) and are built on PyTorch's functional collectives,
+so ``torch.compile(fullgraph=True)`` traces them without a graph break.
+
+GQA: when the (tensor-parallel-local) kv head count is smaller than P and divides it,
+kv heads are replicated up to P before the exchange, so that the SP degree is not
+capped by the number of kv heads. Autograd sums the gradients of the replicas.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def kv_replication_factor(n_heads: int, n_kv_heads: int, sp: int) -> int:
+    """How many times each kv head is repeated before the exchange (1 = none).
+
+    ``n_heads`` and ``n_kv_heads`` are the counts seen by one tensor-parallel rank.
+    """
+    if n_heads % sp != 0:
+        raise ValueError(f"{n_heads} attention heads cannot be split over ulysses_degree {sp}")
+    if n_kv_heads % sp == 0:
+        return 1
+    if sp % n_kv_heads == 0:
+        return sp // n_kv_heads
+    raise ValueError(
+        f"{n_kv_heads} kv heads cannot be split over ulysses_degree {sp}: "
+        f"ulysses_degree must divide the kv head count or be a multiple of it"
+    )
+
+
+def check_heads(n_heads: int, n_kv_heads: int, sp: int, tp: int) -> None:
+    """Refuse head/degree combinations that cannot be laid out, naming the degrees that work.
+
+    Pure arithmetic: call it before any process group exists.
+    """
+
+    def works(s: int, t: int) -> bool:
+        if n_heads % (s * t) or n_kv_heads % t:
+            return False
+        local_kv = n_kv_heads // t
+        return local_kv % s == 0 or s % local_kv == 0
+
+    if works(sp, tp):
+        return
+    good_sp = [s for s in _divisors(n_heads) if works(s, tp)]
+    good_tp = [t for t in _divisors(n_heads) if works(sp, t)]
+    reason = []
+    if n_heads % (sp * tp):
+        reason.append(
+            f"n_heads {n_heads} is not divisible by ulysses_degree x tensor_parallel_degree = {sp} x {tp}"
+        )
+    elif n_kv_heads % tp:
+        reason.append(f"n_kv_heads {n_kv_heads} is not divisible by tensor_parallel_degree {tp}")
+    else:
+        reason.append(
+            f"the {n_kv_heads // tp} kv heads per tensor-parallel rank neither divide nor are "
+            f"divided by ulysses_degree {sp}"
+        )
+    hint = f"with tensor_parallel_degree {tp}, ulysses_degree can be one of {good_sp}"
+    if good_tp:
+        hint += f"; with ulysses_degree {sp}, tensor_parallel_degree can be one of {good_tp}"
+    raise ValueError(f"{reason[0]}; {hint}")
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Exchange equal blocks of dim 0: block i goes to rank i, block j of the result came from rank j."""
+    return funcol.all_to_all_single_autograd(x, None, None, group)
+
+
+def seq_to_head(
+    tensors: list[torch.Tensor], group, sp: int
+) -> list[torch.Tensor]:
+    """[B, S/P, H_i, D] each -> [B, S, H_i/P, D] each, in one all-to-all."""
+    b, s_local, _, d = tensors[0].shape
+    heads = [t.shape[2] // sp for t in tensors]
+    # [B, S/P, P, H_i/P, D] -> concatenated per destination rank: [B, S/P, P, sum(H_i)/P, D]
+    packed = torch.cat(
+        [t.reshape(b, s_local, sp, h, d) for t, h in zip(tensors, heads)], dim=3
+    )
+    packed = packed.permute(2, 0, 1, 3, 4).contiguous()  # [P(dst), B, S/P, sum/P, D]
+    received = _all_to_all(packed, group)  # [P(src = sequence chunk), B, S/P, sum/P, D]
+    full = received.permute(1, 0, 2, 3, 4).reshape(b, sp * s_local, sum(heads), d)
+    return list(full.split(heads, dim=2))  # [B, S, H_i/P, D]
+
+
+def head_to_seq(x: torch.Tensor, group, sp: int) -> torch.Tensor:
+    """[B, S, H/P, D] -> [B, S/P, H, D]."""
+    b, s, h_local, d = x.shape
+    s_local = s // sp
+    x = x.reshape(b, sp, s_local, h_local, d).permute(1, 0, 2, 3, 4).contiguous()  # [P(dst), B, S/P, H/P, D]
+    received = _all_to_all(x, group)  # [P(src = head group), B, S/P, H/P, D]
+    return received.permute(1, 2, 0, 3, 4).reshape(b, s_local, sp * h_local, d)
+
+
+class UlyssesAttention(nn.Module):
+    """Wraps any local attention ``fn(q, k, v, attention_mask) -> out`` with the Ulysses exchanges.
+
+    Inputs are the local sequence slice with all (tensor-parallel-local) heads,
+    ``q: [B, S/P, Hq, D]``, ``k, v: [B, S/P, Hkv, D]``; the output is ``[B, S/P, Hq, D]``.
+    Every rank of the group must hold the same number of tokens: shard sequences with
+    :func:`titan_ulysses.data.sharding.shard_for_sp`, which pads S up to a multiple of P
+    at the end, where causal attention keeps padding out of every real token's view.
+    ``attention_mask`` describes the full sequence (see ``ops.attention.build_attention_mask``).
+    """
+
+    def __init__(self, local_attention: nn.Module, sp_mesh: DeviceMesh):
+        super().__init__()
+        if sp_mesh.ndim != 1:
+            raise ValueError(f"UlyssesAttention needs a 1-D sp mesh, got {sp_mesh.ndim} dims")
+        self.local_attention = local_attention
+        self.sp = sp_mesh.size()
+        self.group = sp_mesh.get_group()
+
+    def forward(self, q, k, v, attention_mask=None):
+        if self.sp == 1:
+            return self.local_attention(q, k, v, attention_mask)
+        rep = kv_replication_factor(q.shape[2], k.shape[2], self.sp)
+        if rep > 1:
+            # kv head j serves q heads of ranks j*rep ... j*rep+rep-1: after the exchange
+            # rank r holds exactly the kv head its q heads use.
+            k = k.repeat_interleave(rep, dim=2)
+            v = v.repeat_interleave(rep, dim=2)
+        q, k, v = seq_to_head([q, k, v], self.group, self.sp)  # [B, S, H/P, D]
+        out = self.local_attention(q, k, v, attention_mask)  # [B, S, Hq/P, D]
+        return head_to_seq(out, self.group, self.sp)  # [B, S/P, Hq, D]
+
+    def extra_repr(self) -> str:
+        return f"sp={self.sp}"
+
+
+def apply_ulysses(model: nn.Module, sp_mesh: DeviceMesh) -> int:
+    """Wrap the ``inner_attention`` of every attention module in ``UlyssesAttention``.
+
+    Returns how many were wrapped. The model only has to expose its local attention
+    as an ``inner_attention`` submodule taking ``(q, k, v, attention_mask)``.
+    """
+    wrapped = 0
+    for module in list(model.modules()):
+        inner = getattr(module, "inner_attention", None)
+        if isinstance(inner, nn.Module) and not isinstance(inner, UlyssesAttention):
+            module.inner_attention = UlyssesAttention(inner, sp_mesh)
+            wrapped += 1
+    if wrapped == 0:
+        raise ValueError("apply_ulysses found no `inner_attention` module to wrap in the model")
+    return wrapped

@@ -1,0 +1,44 @@
+"""Reductions for losses and token counts, and loading full weights into a parallelized model.
+
+The loss convention that makes every layout equal to one device:
+
+    loss_rank = sum of this rank's token losses / number of loss tokens in the whole global batch
+
+where "whole global batch" spans every microbatch of the step and every rank of the
+``loss`` mesh (dp_replicate x dp_shard x sp). Summing ``loss_rank`` over ranks gives the
+global mean, and so does summing its gradients -- which is what FSDP is set to do
+(``set_gradient_divide_factor(1.0)``). Normalising by a per-rank or per-microbatch count
+instead is the classic bug that makes loss drift with the SP degree or with accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_ulysses.ops.loss import IGNORE_INDEX
+
+
+def dist_sum(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Sum of ``value`` over the ranks of a 1-D mesh (a new tensor; the input is untouched)."""
+    out = value.detach().clone()
+    if mesh.size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.get_group())
+    return out
+
+
+def global_token_count(labels: list[torch.Tensor], loss_mesh: DeviceMesh, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Number of non-ignored labels over all microbatches of a step and all ranks of ``loss_mesh``."""
+    local = sum((lab != ignore_index).sum() for lab in labels)
+    return dist_sum(torch.as_tensor(local, dtype=torch.float64), loss_mesh)
+
+
+def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tensor]) -> None:
+    """Load unsharded weights (the same on every rank) into a parallelized model.
+
+    Names are those of the plain model; wrappers from AC and compile are looked through.
+    """
+    set_model_state_dict(model, full_state_dict, options=StateDictOptions(full_state_dict=True, strict=True))

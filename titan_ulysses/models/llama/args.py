@@ -1,0 +1,83 @@
+"""Llama 3 model arguments and the named flavors."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1 frequency scaling of RoPE (long wavelengths stretched by ``factor``)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class LlamaArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    vocab_size: int = 128256
+    ffn_hidden_dim: int = 14336
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = field(default_factory=RopeScaling)
+    tie_embeddings: bool = False
+    attn_backend: str = "sdpa"
+    """Local attention: "sdpa", "flex" or "flash_attn" (see ops/attention.py)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+
+    def num_params(self) -> int:
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        mlp = 3 * self.dim * self.ffn_hidden_dim
+        emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * (attn + mlp + 2 * self.dim) + emb + self.dim
+
+
+# Byte-level tokenizer: 256 bytes plus BOS, EOS, PAD and one spare id, rounded up to 8.
+BYTE_VOCAB_SIZE = 264
+
+LLAMA_FLAVORS: dict[str, LlamaArgs] = {
+    "debugmodel": LlamaArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=4, vocab_size=BYTE_VOCAB_SIZE,
+        ffn_hidden_dim=768, rope_theta=10000.0, rope_scaling=None,
+    ),
+    "debugmodel_gqa1": LlamaArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=1, vocab_size=BYTE_VOCAB_SIZE,
+        ffn_hidden_dim=768, rope_theta=10000.0, rope_scaling=None,
+    ),
+    # Llama 3.2 shapes (tied embeddings, RoPE scaling factor 32)
+    "1B": LlamaArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192,
+        rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
+    ),
+    "3B": LlamaArgs(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_hidden_dim=8192,
+        rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
+    ),
+    # Llama 3.1 shapes
+    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336),
+    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672),
+}
+
+
+def get_flavor(flavor: str, **overrides) -> LlamaArgs:
+    if flavor not in LLAMA_FLAVORS:
+        raise ValueError(f"model flavor {flavor!r} is not one of {sorted(LLAMA_FLAVORS)}")
+    return dataclasses.replace(LLAMA_FLAVORS[flavor], **overrides)

@@ -1,0 +1,175 @@
+"""Llama 3: RMSNorm, RoPE (Llama 3.1 scaling), GQA attention, SwiGLU.
+
+Nothing here is distributed. Parallelism is applied from outside
+(``parallelize.py``): tensor parallelism slices the projections (so head counts
+are inferred from shapes, never stored), Ulysses swaps ``inner_attention``.
+
+Shapes: B batch, S the local sequence length (S_total / sp under Ulysses),
+H heads (local to a tensor-parallel rank), Dh head dim, D model dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
+from titan_ulysses.ops.attention import build_attention
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        inv_freq = torch.where(
+            wavelen > low_wavelen,
+            inv_freq / scaling.factor,
+            torch.where(wavelen < high_wavelen, inv_freq, blended),
+        )
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of ``x: [B, S, H, Dh]`` by the angles of ``cos, sin: [B or 1, S, 1, Dh/2]``."""
+    x_ = x.float().unflatten(-1, (-1, 2))  # [B, S, H, Dh/2, 2]
+    x0, x1 = x_[..., 0], x_[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.inner_attention = build_attention(args.attn_backend)
+
+    def forward(self, x, rope, attention_mask):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # [B, S, Hq, Dh]
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, Dh]
+        v = self.wv(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, Dh]
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = self.inner_attention(q, k, v, attention_mask)  # [B, S, Hq, Dh]
+        return self.wo(out.reshape(b, s, -1))
+
+    def init_weights(self, std: float):
+        for w in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(w.weight, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, std=std)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):  # [B, S, D]
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float):
+        nn.init.trunc_normal_(self.w1.weight, std=0.02)
+        for w in (self.w2, self.w3):
+            nn.init.trunc_normal_(w.weight, std=std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: LlamaArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        # depth-scaled init of the projections that write into the residual stream
+        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x, rope, attention_mask=None):  # [B, S, D]
+        h = x + self.attention(self.attention_norm(x), rope, attention_mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self):
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # ModuleDict keeps fully-qualified names stable when blocks are wrapped or dropped.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer(
+            "rope_inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), persistent=False
+        )
+
+    def rope(self, positions: torch.Tensor):
+        """cos, sin of ``positions`` ([S] or [B, S], global token indices) as [B or 1, S, 1, Dh/2] fp32."""
+        if positions.dim() == 1:
+            positions = positions[None]
+        angles = positions[..., None].float() * self.rope_inv_freq  # [B, S, Dh/2]
+        return angles.cos()[:, :, None], angles.sin()[:, :, None]
+
+    def forward(self, tokens, positions=None, attention_mask=None):
+        """``tokens: [B, S]`` -> logits ``[B, S, vocab]``.
+
+        ``positions`` are the global positions of these tokens (default ``arange(S)``);
+        under Ulysses each rank passes those of its own slice so RoPE is right everywhere.
+        ``attention_mask`` comes from ``ops.attention.build_attention_mask`` (None: causal).
+        """
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        rope = self.rope(positions)
+        h = self.tok_embeddings(tokens)  # [B, S, D]
+        for layer in self.layers.values():
+            h = layer(h, rope, attention_mask)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)  # [B, S, vocab]
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None):
+        """(Re)initialise every parameter and buffer; call after ``to_empty`` when built on meta."""
+        args = self.args
+        inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
+        self.rope_inv_freq = inv_freq.to(buffer_device or self.rope_inv_freq.device)
+        nn.init.normal_(self.tok_embeddings.weight, std=1.0 if self.output is not None else 0.02)
+        for layer in self.layers.values():
+            layer.init_weights()
+        self.norm.reset_parameters()
+        if self.output is not None:
+            cutoff = 3 * args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, std=args.dim**-0.5, a=-cutoff, b=cutoff)

@@ -1,0 +1,51 @@
+"""Lay a Llama model out on the DeviceMesh: TP -> Ulysses -> AC -> compile -> FSDP2."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_ulysses.distributed.activation_checkpoint import apply_ac
+from titan_ulysses.distributed.compile import apply_compile
+from titan_ulysses.distributed.fsdp import apply_fsdp
+from titan_ulysses.distributed.parallel_dims import ParallelDims
+from titan_ulysses.distributed.tensor_parallel import apply_tp
+from titan_ulysses.distributed.ulysses import apply_ulysses, check_heads
+from titan_ulysses.models.llama.model import Transformer
+
+
+@dataclass
+class ParallelizeOptions:
+    ac_mode: str = "none"
+    """Activation checkpointing per block: "none", "full" or "selective"."""
+    compile: bool = False
+    """torch.compile each transformer block with fullgraph=True."""
+    param_dtype: torch.dtype = torch.bfloat16
+    """Dtype FSDP gathers parameters in for compute (float32 for exact comparisons)."""
+    reduce_dtype: torch.dtype = torch.float32
+    """Dtype of the gradient reduction."""
+
+
+def parallelize_llama(
+    model: Transformer, parallel_dims: ParallelDims, mesh: DeviceMesh, options: ParallelizeOptions | None = None
+) -> Transformer:
+    """Apply every parallelism to ``model`` in place (typically still on the meta device)."""
+    options = options or ParallelizeOptions()
+    args = model.args
+    check_heads(args.n_heads, args.n_kv_heads, parallel_dims.sp, parallel_dims.tp)
+    if parallel_dims.tp_enabled:
+        apply_tp(model, mesh["tp"])
+    if parallel_dims.sp_enabled:
+        apply_ulysses(model, mesh["sp"])
+    apply_ac(model, options.ac_mode)
+    if options.compile:
+        apply_compile(model)
+    if parallel_dims.fsdp_enabled:
+        if parallel_dims.dp_replicate > 1:
+            dp_mesh = mesh["dp_replicate", "dp_shard_sp"]
+        else:
+            dp_mesh = mesh["dp_shard_sp"]
+        apply_fsdp(model, dp_mesh, options.param_dtype, options.reduce_dtype)
+    return model

@@ -1,0 +1,135 @@
+"""Local attention backends: the swap point inside every attention layer.
+
+Each backend is a module ``forward(q, k, v, attention_mask=None) -> out`` over
+``q: [B, S, Hq, D]``, ``k, v: [B, S, Hkv, D]`` (Hq a multiple of Hkv), returning
+``[B, S, Hq, D]``. Attention is causal; ``attention_mask`` (built once per step by
+:func:`build_attention_mask` from document ids of the full sequence) adds document
+masking for packed sequences. ``None`` means plain causal attention.
+
+* ``sdpa``: ``F.scaled_dot_product_attention``; on CUDA it dispatches to FlashAttention
+  or cuDNN kernels. Document masking materialises a dense [B, 1, S, S] mask, so use it
+  only at short lengths; ``flex`` is the long-context path for packed documents.
+* ``flex``: FlexAttention with a BlockMask (causal, or causal within documents).
+* ``flash_attn``: the flash-attn package (CUDA only, optional extra); document masking
+  through its varlen kernel with cumulative sequence lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BACKENDS = ("sdpa", "flex", "flash_attn")
+
+
+class SDPAAttention(nn.Module):
+    def forward(self, q, k, v, attention_mask=None):
+        gqa = q.shape[2] != k.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=gqa)
+        return out.transpose(1, 2)  # [B, S, H, D]
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+class FlexAttention(nn.Module):
+    def forward(self, q, k, v, attention_mask=None):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        b, s = q.shape[:2]
+        if attention_mask is None:
+            attention_mask = create_block_mask(_causal, None, None, s, s, device=q.device)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+        out = flex_attention(
+            q, k, v, block_mask=attention_mask, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        return out.transpose(1, 2)
+
+
+def _import_flash_attn():
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "attn_backend 'flash_attn' needs the flash-attn package, which is not installed; "
+            "install it with `pip install 'titan_ulysses[flash]'` on a CUDA machine, "
+            "or use attn_backend 'sdpa' (FlashAttention kernels through PyTorch) or 'flex'"
+        ) from e
+    return flash_attn
+
+
+class FlashAttnAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        _import_flash_attn()
+
+    def forward(self, q, k, v, attention_mask=None):
+        flash_attn = _import_flash_attn()
+        if attention_mask is None:
+            return flash_attn.flash_attn_func(q, k, v, causal=True)  # takes [B, S, H, D]
+        cu_seqlens, max_seqlen = attention_mask
+        b, s = q.shape[:2]
+        flat = [t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)]  # batch rows concatenated
+        out = flash_attn.flash_attn_varlen_func(
+            *flat, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True
+        )
+        return out.reshape(b, s, *out.shape[1:])
+
+
+def build_attention(backend: str) -> nn.Module:
+    if backend == "sdpa":
+        return SDPAAttention()
+    if backend == "flex":
+        return FlexAttention()
+    if backend == "flash_attn":
+        return FlashAttnAttention()
+    raise ValueError(f"attn_backend {backend!r} is not one of {list(BACKENDS)}")
+
+
+def cu_seqlens_from_document_ids(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Cumulative document lengths over the flattened batch ``[B*S]`` (int32) and the longest document.
+
+    A document never spans two rows, even where neighbouring rows share an id.
+    """
+    b, s = document_ids.shape
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start_idx = starts.flatten().nonzero().flatten()
+    end = torch.tensor([b * s], device=document_ids.device)
+    cu = torch.cat([start_idx, end]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def build_attention_mask(backend: str, document_ids: torch.Tensor | None):
+    """The per-step mask object of ``backend`` for document ids ``[B, S]`` of the full sequence.
+
+    Returns ``None`` (plain causal) when ``document_ids`` is None. Build it once per step,
+    outside the model: every layer reuses it, and under Ulysses it covers the full
+    sequence that attention sees after the exchange.
+    """
+    if document_ids is None:
+        return None
+    if backend == "sdpa":
+        s = document_ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+        same_doc = document_ids[:, :, None] == document_ids[:, None, :]
+        return (same_doc & causal)[:, None]  # [B, 1, S, S]
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        b, s = document_ids.shape
+
+        def doc_causal(b_idx, h, q_idx, kv_idx):
+            same = document_ids[b_idx, q_idx] == document_ids[b_idx, kv_idx]
+            return same & (q_idx >= kv_idx)
+
+        return create_block_mask(doc_causal, b, None, s, s, device=document_ids.device)
+    if backend == "flash_attn":
+        return cu_seqlens_from_document_ids(document_ids)
+    raise ValueError(f"attn_backend {backend!r} is not one of {list(BACKENDS)}")
