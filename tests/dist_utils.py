@@ -26,7 +26,7 @@ def run_distributed(fn, world_size: int, *args) -> None:
         mp.spawn(_worker, args=(fn, world_size, init_file, args), nprocs=world_size, join=True)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol=1e-5, atol=1e-6) -> None:
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol=1e-5, atol=1e-5) -> None:
     """fp32 comparison; atol is scaled by the reference's magnitude so tiny gradients are still checked."""
     scale = expected.abs().max().item() or 1.0
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * scale, msg=lambda m: f"{what}: {m}")

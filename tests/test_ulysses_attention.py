@@ -11,20 +11,22 @@ from titan_ulysses.distributed.ulysses import UlyssesAttention, head_to_seq, seq
 from titan_ulysses.ops.attention import SDPAAttention, build_attention, build_attention_mask
 
 
-def _mesh(sp):
-    return ParallelDims(sp=sp, world_size=dist.get_world_size()).build_mesh("cpu")
+def _sp_mesh(sp):
+    pd = ParallelDims(sp=sp, world_size=dist.get_world_size())
+    pd.build_mesh("cpu")
+    return sp_mesh
 
 
 def _round_trip(sp):
-    mesh = _mesh(sp)
-    rank = mesh["sp"].get_local_rank()
+    sp_mesh = _sp_mesh(sp)
+    rank = sp_mesh.get_local_rank()
     torch.manual_seed(0)
     full = torch.randn(2, 4 * sp, 2 * sp, 8)  # [B, S, H, D], same on every rank
     local = full.chunk(sp, dim=1)[rank]
-    (heads,) = seq_to_head([local], mesh["sp"].get_group(), sp)
+    (heads,) = seq_to_head([local], sp_mesh.get_group(), sp)
     # all tokens, this rank's heads
     assert_close(heads, full.chunk(sp, dim=2)[rank], "seq_to_head", rtol=0, atol=0)
-    back = head_to_seq(heads, mesh["sp"].get_group(), sp)
+    back = head_to_seq(heads, sp_mesh.get_group(), sp)
     assert_close(back, local, "round trip", rtol=0, atol=0)
 
 
@@ -34,8 +36,8 @@ def test_all_to_all_round_trip_is_identity(sp):
 
 
 def _attention_matches(sp, n_heads, n_kv_heads, seq_len, backend, with_docs, backward=True):
-    mesh = _mesh(sp)
-    rank = mesh["sp"].get_local_rank()
+    sp_mesh = _sp_mesh(sp)
+    rank = sp_mesh.get_local_rank()
     torch.manual_seed(0)
     b, d = 2, 8
     q = torch.randn(b, seq_len, n_heads, d, requires_grad=backward)
@@ -53,7 +55,7 @@ def _attention_matches(sp, n_heads, n_kv_heads, seq_len, backend, with_docs, bac
     s_pad = -(-seq_len // sp) * sp
     pad_doc = None if doc is None else torch.nn.functional.pad(doc, (0, s_pad - seq_len), value=-1)
     lq, lk, lv = (shard_for_sp(t.detach(), rank, sp, 0.0).requires_grad_(backward) for t in (q, k, v))
-    attn = UlyssesAttention(build_attention(backend), mesh["sp"])
+    attn = UlyssesAttention(build_attention(backend), sp_mesh)
     out = attn(lq, lk, lv, build_attention_mask(backend, pad_doc))
 
     n_real = max(0, min(seq_len - rank * (s_pad // sp), s_pad // sp))  # real tokens in this slice

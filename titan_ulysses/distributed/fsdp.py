@@ -27,7 +27,8 @@ def apply_fsdp(
 ) -> None:
     """Shard each block, then the root (embeddings, final norm, output).
 
-    ``dp_mesh`` is ``mesh["dp_shard_sp"]`` or, for HSDP, ``mesh["dp_replicate", "dp_shard_sp"]``.
+    ``dp_mesh`` is ``ParallelDims.get_mesh("fsdp")``: dp_shard x sp flattened, or for HSDP
+    the 2-D (dp_replicate, dp_shard x sp) mesh.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers.values():
@@ -37,3 +38,5 @@ def apply_fsdp(
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            # plain SUM collectives: gloo has no PREMUL_SUM, and NCCL is zero-copy only for SUM
+            module.set_force_sum_reduction_for_comms(True)

@@ -115,10 +115,30 @@ class ParallelDims:
         return self.size("loss") > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the DeviceMesh and its flattened views; requires an initialised process group."""
-        mesh = init_device_mesh(
-            device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS
-        )
+        """Create the DeviceMesh and its flattened views; requires an initialised process group.
+
+        Returns the root mesh; every named mesh (a dimension, a flattened group, or ``fsdp``)
+        is then available from :meth:`get_mesh`.
+        """
+        root = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
+        meshes = {dim: root[dim] for dim in MESH_DIMS}
         for flat_name, dims in FLATTENED.items():
-            mesh[dims]._flatten(flat_name)
-        return mesh
+            meshes[flat_name] = root[dims]._flatten(flat_name)
+        if self.dp_replicate > 1:
+            # HSDP: replicate over dp_replicate, shard over dp_shard x sp (2-D, replicate outermost)
+            meshes["fsdp"] = meshes["loss"]._unflatten(
+                0, (self.dp_replicate, self.size("dp_shard_sp")), ("hsdp_replicate", "hsdp_shard")
+            )
+        else:
+            meshes["fsdp"] = meshes["dp_shard_sp"]
+        self._meshes = meshes
+        return root
+
+    def get_mesh(self, name: str) -> DeviceMesh:
+        """A mesh dimension (``sp``), a flattened mesh (``dp``, ``dp_shard_sp``, ``loss``) or ``fsdp``."""
+        meshes = getattr(self, "_meshes", None)
+        if meshes is None:
+            raise RuntimeError("ParallelDims.build_mesh(device_type) must be called before get_mesh")
+        if name not in meshes:
+            raise KeyError(f"no mesh named {name!r}; known: {sorted(meshes)}")
+        return meshes[name]

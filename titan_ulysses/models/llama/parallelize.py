@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.compile import apply_compile
@@ -29,23 +28,22 @@ class ParallelizeOptions:
 
 
 def parallelize_llama(
-    model: Transformer, parallel_dims: ParallelDims, mesh: DeviceMesh, options: ParallelizeOptions | None = None
+    model: Transformer, parallel_dims: ParallelDims, options: ParallelizeOptions | None = None
 ) -> Transformer:
-    """Apply every parallelism to ``model`` in place (typically still on the meta device)."""
+    """Apply every parallelism to ``model`` in place (typically still on the meta device).
+
+    ``parallel_dims.build_mesh`` must have been called.
+    """
     options = options or ParallelizeOptions()
     args = model.args
     check_heads(args.n_heads, args.n_kv_heads, parallel_dims.sp, parallel_dims.tp)
     if parallel_dims.tp_enabled:
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, parallel_dims.get_mesh("tp"))
     if parallel_dims.sp_enabled:
-        apply_ulysses(model, mesh["sp"])
+        apply_ulysses(model, parallel_dims.get_mesh("sp"))
     apply_ac(model, options.ac_mode)
     if options.compile:
         apply_compile(model)
     if parallel_dims.fsdp_enabled:
-        if parallel_dims.dp_replicate > 1:
-            dp_mesh = mesh["dp_replicate", "dp_shard_sp"]
-        else:
-            dp_mesh = mesh["dp_shard_sp"]
-        apply_fsdp(model, dp_mesh, options.param_dtype, options.reduce_dtype)
+        apply_fsdp(model, parallel_dims.get_mesh("fsdp"), options.param_dtype, options.reduce_dtype)
     return model

@@ -1,0 +1,88 @@
+"""Build a reference model and its parallelized twin, and step both on the same global batch."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from titan_ulysses.data.sharding import shard_batch
+from titan_ulysses.distributed.parallel_dims import ParallelDims
+from titan_ulysses.distributed.utils import dist_sum, global_token_count, load_full_state_dict
+from titan_ulysses.models.llama.args import get_flavor
+from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.ops.loss import IGNORE_INDEX, cross_entropy_sum
+
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def small_args(**overrides):
+    base = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden_dim=128)
+    base.update(overrides)
+    return get_flavor("debugmodel", **base)
+
+
+def clean_name(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def build_pair(args, parallel_dims: ParallelDims, options: ParallelizeOptions):
+    """The reference model and a parallelized copy with identical weights."""
+    torch.manual_seed(0)
+    ref = Transformer(args)
+    ref.init_weights()
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallelize_llama(model, parallel_dims, options)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    load_full_state_dict(model, ref.state_dict())
+    return ref, model
+
+
+def make_batch(step: int, global_batch: int, seq_len: int, vocab: int):
+    """A deterministic global batch; some labels ignored so ranks hold uneven token counts."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=g)
+    inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    drop = torch.rand(global_batch, seq_len, generator=g) < 0.3
+    labels[drop] = IGNORE_INDEX
+    labels[0, : seq_len // 2] = IGNORE_INDEX  # one sample mostly ignored: per-rank means would differ
+    return inputs, labels
+
+
+def reference_step(ref: Transformer, inputs, labels, microbatches: int = 1):
+    """Single-device mean loss over all tokens of the batch; gradients accumulate in ``ref``."""
+    n_tokens = (labels != IGNORE_INDEX).sum()
+    total = 0.0
+    for mb_in, mb_lab in zip(inputs.chunk(microbatches), labels.chunk(microbatches)):
+        loss = cross_entropy_sum(ref(mb_in), mb_lab) / n_tokens
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def parallel_step(model, pd: ParallelDims, inputs, labels, microbatches: int = 1):
+    """This rank's share of the global batch, sharded over dp then sp; returns (global loss, logits)."""
+    dp, dp_rank = pd.get_mesh("dp").size(), pd.get_mesh("dp").get_local_rank()
+    sp, sp_rank = pd.get_mesh("sp").size(), pd.get_mesh("sp").get_local_rank()
+    local_in, local_lab = inputs.chunk(dp)[dp_rank], labels.chunk(dp)[dp_rank]
+    mbs = [
+        shard_batch(i, lab, sp_rank, sp)
+        for i, lab in zip(local_in.chunk(microbatches), local_lab.chunk(microbatches))
+    ]
+    n_tokens = global_token_count([mb.labels for mb in mbs], pd.get_mesh("loss"))
+    total, logits = 0.0, []
+    for mb in mbs:
+        out = model(mb.tokens, positions=mb.positions)
+        loss = cross_entropy_sum(out, mb.labels) / n_tokens
+        loss.backward()
+        total += loss.detach()
+        logits.append(out.detach())
+    return dist_sum(torch.as_tensor(total), pd.get_mesh("loss")), logits
