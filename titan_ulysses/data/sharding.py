@@ -21,6 +21,17 @@ def padded_length(seq_len: int, sp: int) -> int:
     return -(-seq_len // sp) * sp
 
 
+def check_seq_len(seq_len: int, sp: int) -> None:
+    """Refuse a sequence length that the SP degree does not divide, naming the nearest valid ones."""
+    if seq_len % sp:
+        lower, upper = seq_len // sp * sp, padded_length(seq_len, sp)
+        nearest = f"{lower} or {upper}" if lower > 0 else f"{upper}"
+        raise ValueError(
+            f"seq_len {seq_len} is not divisible by ulysses_degree {sp}; use seq_len {nearest}, "
+            f"or let the batch be padded to a multiple of ulysses_degree"
+        )
+
+
 def shard_for_sp(x: torch.Tensor, sp_rank: int, sp: int, pad_value, dim: int = 1) -> torch.Tensor:
     """Pad ``x`` along ``dim`` to a multiple of ``sp`` with ``pad_value`` and return slice ``sp_rank``."""
     s = x.shape[dim]
@@ -52,11 +63,17 @@ def shard_batch(
     document_ids: torch.Tensor | None = None,
     pad_token: int = 0,
     ignore_index: int = IGNORE_INDEX,
+    pad: bool = True,
 ) -> SPBatch:
-    """Shard a full ``[B, S]`` batch for rank ``sp_rank`` of ``sp``."""
+    """Shard a full ``[B, S]`` batch for rank ``sp_rank`` of ``sp``.
+
+    With ``pad=False`` a length that ``sp`` does not divide is refused instead of padded.
+    """
     b, s = tokens.shape
     if labels.shape != tokens.shape:
         raise ValueError(f"labels {tuple(labels.shape)} and tokens {tuple(tokens.shape)} differ in shape")
+    if not pad:
+        check_seq_len(s, sp)
     if positions is None:
         positions = torch.arange(s, device=tokens.device).expand(b, s)
     s_pad = padded_length(s, sp)
