@@ -27,11 +27,13 @@ from model_harness import (
     small_args,
 )
 from titan_ulysses.distributed.parallel_dims import ParallelDims
+from titan_ulysses.distributed.utils import clip_grad_norm_
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions
 
 SEQ_LEN = 13  # not a multiple of 2 or 4: every SP case pads
 STEPS = 3
 LR = 1e-3
+MAX_NORM = 0.05
 
 
 def _compare(layout: dict, ac_mode: str, microbatches: int, model_overrides: dict):
@@ -65,6 +67,11 @@ def _compare(layout: dict, ac_mode: str, microbatches: int, model_overrides: dic
         assert grads.keys() == ref_params.keys()
         for name, g in grads.items():
             assert_close(g, ref_params[name].grad, f"step {step} grad {name}")
+        # clipping by the norm over every shard of every mesh (TP params sit on a 2-D mesh)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        norm = clip_grad_norm_(model.parameters(), MAX_NORM)
+        assert_close(norm, ref_norm, f"step {step} grad norm")
+        assert ref_norm > MAX_NORM, "the test should exercise actual clipping"
         ref_opt.step()
         ref_opt.zero_grad()
         opt.step()

@@ -42,3 +42,31 @@ def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tens
     Names are those of the plain model; wrappers from AC and compile are looked through.
     """
     set_model_state_dict(model, full_state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Clip by the total gradient norm over every shard on every mesh; returns that norm.
+
+    Parameters live on different meshes (FSDP-only ones on ``fsdp``, TP ones on
+    ``fsdp x tp``), so norms are computed per mesh, completed over it, then combined.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_mesh: dict = {}
+    for g in grads:
+        key = g.device_mesh if isinstance(g, DTensor) else None
+        by_mesh.setdefault(key, []).append(g)
+    squares = []
+    for mesh, group in by_mesh.items():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for group in by_mesh.values():  # one foreach per mesh: DTensor ops cannot mix meshes
+            torch._foreach_mul_(group, coef)
+    return total

@@ -1,0 +1,87 @@
+"""Single-process checks of the model's pieces, the LR schedule and the FLOP count."""
+
+import math
+
+import pytest
+import torch
+
+from titan_ulysses.metrics.flops import flops_per_token
+from titan_ulysses.models.llama.args import LLAMA_FLAVORS, RopeScaling, get_flavor
+from titan_ulysses.models.llama.model import Transformer, apply_rope, rope_inv_freq
+from titan_ulysses.ops.attention import cu_seqlens_from_document_ids
+from titan_ulysses.optim import wsd_factor
+
+
+def test_llama31_rope_scaling_keeps_high_and_divides_low_frequencies():
+    plain = rope_inv_freq(128, 500000.0, None)
+    scaled = rope_inv_freq(128, 500000.0, RopeScaling(factor=8.0))
+    wavelen = 2 * math.pi / plain
+    high = wavelen < 8192 / 4.0
+    low = wavelen > 8192 / 1.0
+    assert high.any() and low.any()
+    torch.testing.assert_close(scaled[high], plain[high])
+    torch.testing.assert_close(scaled[low], plain[low] / 8.0)
+    mid = ~(high | low)
+    assert ((scaled[mid] < plain[mid]) & (scaled[mid] > plain[mid] / 8.0)).all()
+
+
+def test_rope_is_relative():
+    """q.k after RoPE depends only on the distance of positions: global offsets are consistent."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    inv = rope_inv_freq(16, 10000.0, None)
+
+    def dot(pq, pk):
+        cq, sq = torch.cos(pq * inv)[None, None, None], torch.sin(pq * inv)[None, None, None]
+        ck, sk = torch.cos(pk * inv)[None, None, None], torch.sin(pk * inv)[None, None, None]
+        return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum()
+
+    torch.testing.assert_close(dot(5.0, 2.0), dot(105.0, 102.0), rtol=1e-4, atol=1e-5)
+
+
+def test_positions_drive_rope():
+    torch.manual_seed(0)
+    model = Transformer(get_flavor("debugmodel", n_layers=1))
+    model.init_weights()
+    tokens = torch.randint(0, 264, (1, 8))
+    default = model(tokens)
+    stretched = model(tokens, positions=torch.arange(8) * 2)  # a uniform shift would change nothing
+    torch.testing.assert_close(model(tokens, positions=torch.arange(8)), default)
+    assert (default - stretched).abs().max() > 1e-3
+    torch.testing.assert_close(model(tokens, positions=torch.arange(8) + 3), default, rtol=1e-4, atol=1e-4)
+
+
+def test_flavor_sizes():
+    assert round(get_flavor("8B").num_params() / 1e9, 2) == 8.03
+    assert round(get_flavor("70B").num_params() / 1e9, 1) == 70.6
+    assert round(get_flavor("1B").num_params() / 1e9, 2) == 1.24
+    assert get_flavor("debugmodel_gqa1").n_kv_heads == 1
+    assert set(LLAMA_FLAVORS) >= {"debugmodel", "debugmodel_gqa1", "1B", "3B", "8B", "70B"}
+
+
+def test_flops_count_attention_once_for_causal():
+    args = get_flavor("8B")
+    dense = flops_per_token(args, 0)
+    assert dense == pytest.approx(6 * (args.num_params() - args.vocab_size * args.dim))
+    # attention adds 6 * L * H * Dh * S (12 * L * H * Dh * S halved by causality)
+    assert flops_per_token(args, 8192) - dense == pytest.approx(6 * 32 * 32 * 128 * 8192)
+
+
+def test_wsd_schedule():
+    f = lambda s: wsd_factor(s, total_steps=100, warmup_steps=10, decay_ratio=0.2, decay_type="linear", min_lr_factor=0.1)
+    assert f(0) == pytest.approx(1 / 11)
+    assert f(9) == pytest.approx(10 / 11)
+    assert f(10) == f(79) == 1.0
+    assert f(80) == pytest.approx(1.0)
+    assert f(90) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert f(100) == pytest.approx(0.1)
+    cos = wsd_factor(90, 100, 10, 0.2, "cosine", 0.0)
+    assert cos == pytest.approx(0.5)
+    assert wsd_factor(50, 100, 10, 0.0, "linear", 0.0) == 1.0
+
+
+def test_cu_seqlens_never_spans_rows():
+    doc = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 2, 2]])
+    cu, longest = cu_seqlens_from_document_ids(doc)
+    assert cu.tolist() == [0, 2, 5, 8, 10] and cu.dtype == torch.int32
+    assert longest == 3

@@ -1,0 +1,52 @@
+"""AdamW and the warmup-stable-decay learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+DECAY_TYPES = ("linear", "cosine", "sqrt")
+
+
+def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, eps: float,
+                    betas: tuple[float, float], device_type: str) -> torch.optim.Optimizer:
+    if name.lower() != "adamw":
+        raise ValueError(f"optimizer.name {name!r} is not supported; use 'AdamW'")
+    # fused kernels on CUDA; foreach (multi-tensor) elsewhere
+    impl = {"fused": True} if device_type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl)
+
+
+def wsd_factor(step: int, total_steps: int, warmup_steps: int, decay_ratio: float,
+               decay_type: str, min_lr_factor: float) -> float:
+    """LR multiplier after ``step`` optimizer steps: linear warmup, constant, then a final decay.
+
+    ``decay_ratio`` is the fraction of ``total_steps`` spent decaying at the end (0: none).
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    decay_steps = round(total_steps * decay_ratio)
+    decay_start = total_steps - decay_steps
+    if decay_steps == 0 or step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / decay_steps)
+    if decay_type == "linear":
+        shape = 1.0 - progress
+    elif decay_type == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif decay_type == "sqrt":
+        shape = 1.0 - math.sqrt(progress)
+    else:
+        raise ValueError(f"lr_scheduler.decay_type {decay_type!r} is not one of {list(DECAY_TYPES)}")
+    return min_lr_factor + (1.0 - min_lr_factor) * shape
+
+
+def build_lr_scheduler(optimizer, total_steps: int, warmup_steps: int, decay_ratio: float,
+                       decay_type: str, min_lr_factor: float) -> LambdaLR:
+    def factor(step: int) -> float:
+        return wsd_factor(step, total_steps, warmup_steps, decay_ratio, decay_type, min_lr_factor)
+
+    return LambdaLR(optimizer, factor)
