@@ -14,7 +14,7 @@ from titan_ulysses.ops.attention import SDPAAttention, build_attention, build_at
 def _sp_mesh(sp):
     pd = ParallelDims(sp=sp, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
-    return sp_mesh
+    return pd.get_mesh("sp")
 
 
 def _round_trip(sp):
