@@ -13,10 +13,11 @@ import torch.multiprocessing as mp
 def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        fn(*args)
-    finally:
-        dist.destroy_process_group()
+    fn(*args)
+    # tear down together: a rank that destroys its gloo groups while a peer still talks
+    # to it aborts the process ("terminate called without an active exception")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_distributed(fn, world_size: int, *args) -> None:

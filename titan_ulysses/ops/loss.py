@@ -1,4 +1,10 @@
-"""Token-level cross-entropy, summed, so callers choose the normaliser (the global token count)."""
+"""Token-level cross-entropy, summed, so callers choose the normaliser (the global token count).
+
+At long sequence lengths the logits are the largest activation of the step: for
+Llama-3 (vocab 128256) a 128K-token slice has 64 GiB of fp32 logits. The chunked path
+computes the loss ``chunk_size`` tokens at a time and recomputes each chunk's logits in
+backward, so at most ``[chunk_size, vocab]`` logits exist at once.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,62 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (bf16 logits lose the loss; fp64 stays fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Sum of per-token losses of ``logits: [B, S, V]`` against ``labels: [B, S]`` in fp32."""
     return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index, reduction="sum"
+        _upcast(logits.flatten(0, 1)), labels.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum CE(hidden @ weight.T, labels) over chunks of tokens, logits recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size: int, ignore_index: int):
+        # hidden [N, D], weight [V, D], labels [N]
+        total = torch.zeros((), dtype=_upcast(hidden).dtype, device=hidden.device)
+        for h, lab in zip(hidden.split(chunk_size), labels.split(chunk_size)):
+            logits = _upcast(h @ weight.t())  # [chunk, V]
+            total += F.cross_entropy(logits, lab, ignore_index=ignore_index, reduction="sum")
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, labels = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=_upcast(weight).dtype, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            h = hidden[start : start + ctx.chunk_size]
+            lab = labels[start : start + ctx.chunk_size]
+            # d(sum CE)/d logits = softmax - one_hot(label), zero on ignored tokens
+            grad_logits = torch.softmax(_upcast(h @ weight.t()), dim=-1)  # [chunk, V]
+            valid = lab != ctx.ignore_index
+            rows = torch.arange(lab.shape[0], device=lab.device)
+            grad_logits[rows[valid], lab[valid]] -= 1.0
+            grad_logits *= valid[:, None] * grad_total
+            grad_hidden[start : start + ctx.chunk_size] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            grad_weight += grad_logits.t() @ _upcast(h)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+    chunk_size: int = 0, ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Summed CE of the output projection ``hidden: [B, S, D] @ weight.T: [V, D]`` against ``labels: [B, S]``.
+
+    ``chunk_size`` 0 materialises all logits (fastest at short lengths); > 0 bounds them
+    to ``[chunk_size, V]`` in forward and backward.
+    """
+    if chunk_size <= 0:
+        return cross_entropy_sum(F.linear(hidden, weight), labels, ignore_index)
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden.flatten(0, 1), weight, labels.flatten(), chunk_size, ignore_index
     )

@@ -30,6 +30,9 @@ class LlamaArgs:
     tie_embeddings: bool = False
     attn_backend: str = "sdpa"
     """Local attention: "sdpa", "flex" or "flash_attn" (see ops/attention.py)."""
+    loss_chunk_size: int = 0
+    """Tokens per chunk of the output projection + cross-entropy when the model computes the
+    loss (0: all logits at once). Bounds logits memory to [loss_chunk_size, vocab]."""
 
     @property
     def head_dim(self) -> int:

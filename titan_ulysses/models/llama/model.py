@@ -18,6 +18,7 @@ from torch import nn
 
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
 from titan_ulysses.ops.attention import build_attention
+from titan_ulysses.ops.loss import linear_cross_entropy_sum
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -142,12 +143,14 @@ class Transformer(nn.Module):
         angles = positions[..., None].float() * self.rope_inv_freq  # [B, S, Dh/2]
         return angles.cos()[:, :, None], angles.sin()[:, :, None]
 
-    def forward(self, tokens, positions=None, attention_mask=None):
-        """``tokens: [B, S]`` -> logits ``[B, S, vocab]``.
+    def forward(self, tokens, positions=None, attention_mask=None, labels=None):
+        """``tokens: [B, S]`` -> logits ``[B, S, vocab]``, or with ``labels`` the summed cross-entropy.
 
         ``positions`` are the global positions of these tokens (default ``arange(S)``);
         under Ulysses each rank passes those of its own slice so RoPE is right everywhere.
         ``attention_mask`` comes from ``ops.attention.build_attention_mask`` (None: causal).
+        With ``labels: [B, S]`` the output projection and the loss run together, in chunks
+        of ``args.loss_chunk_size`` tokens when set, so full logits never exist.
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -156,9 +159,10 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, rope, attention_mask)
         h = self.norm(h)
-        if self.output is None:
-            return F.linear(h, self.tok_embeddings.weight)
-        return self.output(h)  # [B, S, vocab]
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight  # [V, D]
+        if labels is not None:
+            return linear_cross_entropy_sum(h, weight, labels, self.args.loss_chunk_size)
+        return F.linear(h, weight)  # [B, S, vocab]
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None):
