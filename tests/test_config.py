@@ -1,0 +1,73 @@
+"""Config loading, overrides and every refusal, without any process group."""
+
+import pytest
+
+from titan_ulysses.config.manager import ConfigError, load_config, resolved_global_batch_size, validate
+
+
+def test_defaults_and_toml_and_overrides(tmp_path):
+    assert load_config([]).training.seq_len == 2048
+    path = tmp_path / "x.toml"
+    path.write_text('[training]\nseq_len = 4096\nsteps = 7\n[compile]\nenable = true\n[optimizer]\nlr = 1\n')
+    c = load_config(["--config", str(path), "--training.steps", "9", "--compile.enable=false",
+                     "--optimizer.lr", "3e-4", "--job.description", "hi there", "--checkpoint.enable", "TRUE"])
+    assert c.training.seq_len == 4096  # from the file
+    assert c.training.steps == 9 and c.compile.enable is False  # the command line wins
+    assert c.optimizer.lr == 3e-4 and isinstance(c.optimizer.lr, float)
+    assert c.job.description == "hi there" and c.checkpoint.enable is True
+
+
+def test_the_shipped_configs_load_and_validate():
+    c = load_config(["--config", "train_configs/debug_model.toml"])
+    assert validate(c, 2).sp == 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--training.seq_lenn", "5"], r"unknown key 'training.seq_lenn'; did you mean 'training.seq_len'\?"),
+    (["--trainin.steps", "5"], r"did you mean 'training.steps'\?"),
+    (["--compile.enable", "yes"], r"compile.enable expects bool \(true or false\), got 'yes'"),
+    (["--training.steps", "ten"], r"training.steps expects int, got 'ten'"),
+    (["--model.attn_backend", "xformers"], r"model.attn_backend 'xformers' is not one of"),
+    (["--training.steps"], r"--training.steps needs a value"),
+    (["stray"], r"unexpected argument 'stray'"),
+])
+def test_bad_command_lines(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(argv)
+
+
+def test_bad_toml_types(tmp_path):
+    path = tmp_path / "x.toml"
+    path.write_text('[training]\nsteps = "many"\n')
+    with pytest.raises(ConfigError, match="training.steps expects int, got 'many'"):
+        load_config(["--config", str(path)])
+    path.write_text('[trainig]\nsteps = 3\n')
+    with pytest.raises(ConfigError, match="did you mean 'training.steps'"):
+        load_config(["--config", str(path)])
+    with pytest.raises(ConfigError, match="cannot read the file"):
+        load_config(["--config", str(tmp_path / "missing.toml")])
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--parallelism.ulysses_degree", "2", "--parallelism.data_parallel_shard_degree", "2"], 8,
+     r"parallelism: .* = 4, but the world size is 8"),
+    (["--parallelism.ulysses_degree", "3"], 3, r"n_heads 16 is not divisible by ulysses_degree x tensor_parallel_degree = 3 x 1; .*\[1, 2, 4, 8, 16\]"),
+    (["--parallelism.ulysses_degree", "3", "--training.seq_len", "1000", "--model.flavor", "debugmodel_gqa1"], 3,
+     r"n_heads 16 is not divisible"),
+    (["--parallelism.ulysses_degree", "4", "--training.seq_len", "1001"], 4, r"training.seq_len: seq_len 1001 is not divisible by ulysses_degree 4; use seq_len 1000 or 1004"),
+    (["--training.global_batch_size", "6", "--training.local_batch_size", "4"], 1, r"training.global_batch_size 6 must be a positive multiple"),
+    (["--training.dataset", "text"], 1, r"training.dataset 'text' needs training.dataset_path"),
+    (["--model.tokenizer", "tiktoken"], 1, r"model.tokenizer 'tiktoken' needs model.tokenizer_path"),
+    (["--model.flavor", "7B"], 1, r"model.flavor: model flavor '7B' is not one of"),
+    (["--training.steps", "0"], 1, r"training.steps must be positive"),
+])
+def test_validation_refusals(argv, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(argv), world)
+
+
+def test_global_batch_resolution():
+    c = load_config(["--training.local_batch_size", "2"])
+    assert resolved_global_batch_size(c, 4) == 8
+    c = load_config(["--training.local_batch_size", "2", "--training.global_batch_size", "16"])
+    assert resolved_global_batch_size(c, 4) == 16  # 2 microbatches per step

@@ -1,0 +1,109 @@
+"""Tokenizers, datasets, packing and the layout-independent loader state."""
+
+import base64
+import json
+
+import pytest
+import torch
+
+from titan_ulysses.data.datasets import PackedTextDataset, PasskeyDataset, make_passkey_tokens
+from titan_ulysses.data.loader import build_dataloader
+from titan_ulysses.data.tokenizer import ByteTokenizer, TiktokenTokenizer, build_tokenizer
+from titan_ulysses.ops.loss import IGNORE_INDEX
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo ✓")
+    assert ids[0] == tok.bos_id == 256 and ids[-1] == tok.eos_id == 257
+    assert tok.decode(ids) == "héllo ✓"
+    assert tok.vocab_size == 264
+
+
+def test_tiktoken_tokenizer_from_a_bpe_file(tmp_path):
+    path = tmp_path / "tokenizer.model"
+    ranks = [bytes([b]) for b in range(256)] + [b"he", b"ll", b"hell", b"hello"]
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
+    tok = TiktokenTokenizer(str(path))
+    assert tok.vocab_size == 260 + 256 and tok.bos_id == 260 and tok.eos_id == 261
+    ids = tok.encode("hello hello")
+    assert ids[0] == tok.bos_id and ids[1] == 259 and ids[-1] == tok.eos_id  # "hello" merged
+    assert tok.decode(ids) == "hello hello"
+
+
+def test_missing_tokenizer_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.tokenizer_path .*nope.model"):
+        build_tokenizer("tiktoken", str(tmp_path / "nope.model"))
+
+
+def test_passkey_samples_are_deterministic_and_end_with_the_answer():
+    tok = ByteTokenizer()
+    ds = PasskeyDataset(tok, 300, seed=1)
+    a, b = ds[7], ds[7]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(ds[7]["input"], PasskeyDataset(tok, 300, seed=2)[7]["input"])
+    assert a["input"].shape == (300,)
+    key, _ = ds.key_and_depth(7)
+    text = tok.decode(a["input"].tolist() + [a["labels"][-1].item()])
+    assert text.endswith(f"The pass key is {key}") and text.count(str(key)) == 3
+    torch.testing.assert_close(a["labels"][:-1], a["input"][1:])  # labels shifted on the full sequence
+    tokens, answer_start = make_passkey_tokens(tok, 300, 12345, 0.5)
+    assert tok.decode(tokens[answer_start:]) == "12345" and len(tokens) == 301
+
+
+def test_packing_keeps_document_boundaries(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "abc"}) + "\n" + json.dumps({"text": "defgh"}) + "\n")
+    (tmp_path / "b.txt").write_text("xy")
+    ds = PackedTextDataset(str(tmp_path), ByteTokenizer(), seq_len=8)
+    # stream: [B a b c E][B d e f g h E][B x y E] = 5 + 7 + 4 = 16 tokens -> (16-1)//8 = 1 window
+    item = ds[0]
+    assert item["document_ids"].tolist() == [0] * 5 + [1] * 3
+    assert item["positions"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert item["labels"][4].item() == IGNORE_INDEX  # EOS of doc 0 does not predict doc 1's BOS
+    assert item["labels"][:4].tolist() == item["input"][1:5].tolist()
+    assert torch.equal(ds[1]["input"], ds[0]["input"])  # wraps around
+
+
+def test_packing_too_little_text(tmp_path):
+    (tmp_path / "a.txt").write_text("hi")
+    with pytest.raises(ValueError, match="fewer than training.seq_len"):
+        PackedTextDataset(str(tmp_path / "a.txt"), ByteTokenizer(), seq_len=64)
+
+
+def _steps(dp, local, steps, global_batch=8, state=None):
+    """Per step, the sorted pass keys every rank of a dp group consumed."""
+    ds = PasskeyDataset(ByteTokenizer(), 128, seed=0)
+    loaders = [build_dataloader(ds, global_batch_size=global_batch, local_batch_size=local, dp_rank=r, dp_size=dp)
+               for r in range(dp)]
+    if state is not None:
+        for loader in loaders:
+            loader.load_state_dict(state)
+    iters = [iter(loader) for loader in loaders]
+    out = []
+    for _ in range(steps):
+        seen = []
+        for it in iters:
+            for _ in range(global_batch // (dp * local)):
+                seen += [tuple(row.tolist()) for row in next(it)["input"]]
+        out.append(sorted(seen))
+    return out, loaders[0].state_dict()
+
+
+@pytest.mark.parametrize("dp,local", [(2, 4), (4, 2), (2, 1), (8, 1)])
+def test_global_batch_is_the_same_at_every_layout(dp, local):
+    reference, _ = _steps(1, 8, 3)
+    assert _steps(dp, local, 3)[0] == reference
+
+
+def test_resume_at_another_layout_continues_the_global_order():
+    reference, _ = _steps(1, 8, 5)
+    _, state = _steps(2, 2, 2)
+    assert state["dataset_state"]["samples_consumed"] == 16
+    resumed4, _ = _steps(4, 1, 3, state=state)
+    resumed1, _ = _steps(1, 4, 3, state=state)
+    assert resumed4 == reference[2:] and resumed1 == reference[2:]
+
+
+def test_global_batch_must_split_evenly():
+    with pytest.raises(ValueError, match="training.global_batch_size 6 is not a multiple"):
+        build_dataloader(PasskeyDataset(ByteTokenizer(), 128, 0), global_batch_size=6, local_batch_size=4, dp_rank=0, dp_size=1)

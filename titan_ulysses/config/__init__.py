@@ -1,0 +1,1 @@
+"""Configuration: dataclasses mirroring the TOML sections, loading, overrides and validation."""

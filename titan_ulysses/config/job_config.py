@@ -1,0 +1,176 @@
+"""Dataclasses that mirror the TOML sections; every field can be overridden as ``--section.key value``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Where metrics.jsonl, tensorboard logs and checkpoints go."""
+    description: str = ""
+    """Free text, printed at start."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family; only "llama3" exists."""
+    flavor: str = "debugmodel"
+    """Size: debugmodel, debugmodel_gqa1, 1B, 3B, 8B, 70B."""
+    attn_backend: str = "sdpa"
+    """Local attention inside Ulysses: sdpa, flex (document masking) or flash_attn (CUDA)."""
+    tokenizer: str = "byte"
+    """"byte" (no file, 256 bytes + specials) or "tiktoken" (Llama-3 tokenizer.model)."""
+    tokenizer_path: str = ""
+    """Path of the tiktoken BPE file when tokenizer = "tiktoken"."""
+    rope_theta: float = 0.0
+    """RoPE base; 0 keeps the flavor's."""
+    rope_scaling_factor: float = 0.0
+    """Llama-3.1 RoPE scaling factor (context extension); 0 keeps the flavor's."""
+    loss_chunk_size: int = 0
+    """Tokens per chunk of output projection + loss (0: all logits at once)."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """HSDP replicas (gradients all-reduced across them)."""
+    data_parallel_shard_degree: int = -1
+    """FSDP shard degree; -1 takes the ranks the other degrees leave."""
+    ulysses_degree: int = 1
+    """Ranks each sequence is split over (Ulysses sequence parallelism)."""
+    tensor_parallel_degree: int = 1
+    """Ranks heads and MLP columns are split over."""
+
+
+@dataclass
+class Training:
+    dataset: str = "passkey"
+    """"passkey" (synthetic long-context retrieval) or "text" (local .txt/.jsonl/.parquet)."""
+    dataset_path: str = ""
+    """File or directory of the "text" dataset."""
+    seq_len: int = 2048
+    """Tokens per sample; must divide by ulysses_degree."""
+    local_batch_size: int = 1
+    """Samples per microbatch on one data-parallel rank."""
+    global_batch_size: int = -1
+    """Samples per optimizer step over all ranks; -1 = local_batch_size x dp. Larger: gradient accumulation."""
+    steps: int = 100
+    """Optimizer steps of the run."""
+    seed: int = 42
+    """Seed of weights and synthetic data."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True)."""
+    max_norm: float = 1.0
+    """Gradient clipping norm over all ranks (0 disables clipping)."""
+    mixed_precision_param: str = "bfloat16"
+    """Dtype parameters are gathered in for compute: bfloat16 or float32."""
+    mixed_precision_reduce: str = "float32"
+    """Dtype of gradient reduction: float32 or bfloat16."""
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    """Only AdamW (fused on CUDA)."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    decay_ratio: float = 0.0
+    """Fraction of the run spent decaying at its end (warmup-stable-decay); 0: constant after warmup."""
+    decay_type: str = "linear"
+    """linear, cosine or sqrt."""
+    min_lr_factor: float = 0.0
+    """LR at the end of decay, as a fraction of the peak."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "none"
+    """none, full (recompute each block) or selective (keep matmul/attention/collective outputs)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block (fullgraph)."""
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """float8 matmuls through torchao (CUDA, compute capability >= 8.9)."""
+    recipe: str = "tensorwise"
+    """tensorwise or rowwise scaling."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save and resume with torch.distributed.checkpoint."""
+    folder: str = "checkpoint"
+    """Subfolder of job.dump_folder holding step-N checkpoints."""
+    interval: int = 500
+    """Save every this many steps (and at the last step, and on SIGTERM/SIGUSR1)."""
+    async_mode: str = "disabled"
+    """disabled, async, or async_with_pinned_mem."""
+    keep_latest_k: int = 0
+    """Keep only the newest k checkpoints; 0 keeps all."""
+    initial_load_path: str = ""
+    """A step-N folder to start a new run from (when the run has no checkpoint of its own)."""
+    initial_load_model_only: bool = True
+    """Load only weights from initial_load_path (context extension); false loads the full state."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log every this many steps (and the first and last)."""
+    enable_tensorboard: bool = False
+    """Also write tensorboard events under dump_folder/tb."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+
+
+# Settings with a fixed set of values.
+CHOICES = {
+    "model.name": ("llama3",),
+    "model.attn_backend": ("sdpa", "flex", "flash_attn"),
+    "model.tokenizer": ("byte", "tiktoken"),
+    "training.dataset": ("passkey", "text"),
+    "training.mixed_precision_param": ("bfloat16", "float32"),
+    "training.mixed_precision_reduce": ("float32", "bfloat16"),
+    "optimizer.name": ("AdamW",),
+    "lr_scheduler.decay_type": ("linear", "cosine", "sqrt"),
+    "activation_checkpoint.mode": ("none", "full", "selective"),
+    "float8.recipe": ("tensorwise", "rowwise"),
+    "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
+}

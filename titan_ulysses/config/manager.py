@@ -1,0 +1,171 @@
+"""Load a TOML file, apply ``--section.key value`` overrides, validate before any process group work."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    import tomli as tomllib
+
+from titan_ulysses.config.job_config import CHOICES, JobConfig
+from titan_ulysses.data.sharding import check_seq_len
+from titan_ulysses.distributed.parallel_dims import ParallelDims
+from titan_ulysses.distributed.ulysses import check_heads
+from titan_ulysses.models.llama.args import get_flavor
+
+
+class ConfigError(ValueError):
+    """A setting is wrong; the message names it as section.key and says what to do."""
+
+
+def _fields(obj) -> dict[str, type]:
+    hints = typing.get_type_hints(type(obj))
+    return {f.name: hints[f.name] for f in dataclasses.fields(obj)}
+
+
+def _all_keys(config: JobConfig) -> list[str]:
+    return [f"{s}.{k}" for s in _fields(config) for k in _fields(getattr(config, s))]
+
+
+def _unknown(key: str, config: JobConfig) -> ConfigError:
+    close = difflib.get_close_matches(key, _all_keys(config), n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid sections: {', '.join(_fields(config))}"
+    return ConfigError(f"unknown key '{key}'{hint}")
+
+
+def _convert(key: str, value, kind: type):
+    """``value`` (a TOML value or a command-line string) as ``kind``, or a ConfigError."""
+    from_cli = isinstance(value, str) and kind is not str
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if from_cli and value.lower() in ("true", "false"):
+                return value.lower() == "true"
+        elif kind is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if from_cli:
+                return int(value)
+        elif kind is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if from_cli:
+                return float(value)
+        elif kind is str and isinstance(value, str):
+            return value
+    except ValueError:
+        pass
+    raise ConfigError(f"{key} expects {kind.__name__}{' (true or false)' if kind is bool else ''}, got {value!r}")
+
+
+def _set(config: JobConfig, key: str, value) -> None:
+    section, _, name = key.partition(".")
+    if section not in _fields(config) or not name:
+        raise _unknown(key, config)
+    obj = getattr(config, section)
+    kinds = _fields(obj)
+    if name not in kinds:
+        raise _unknown(key, config)
+    value = _convert(key, value, kinds[name])
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ConfigError(f"{key} {value!r} is not one of {list(CHOICES[key])}")
+    setattr(obj, name, value)
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """``[--config file.toml] [--section.key value | --section.key=value ...]`` -> JobConfig."""
+    config = JobConfig()
+    pairs, path, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; use --config FILE and --section.key value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"--{key} needs a value")
+            value, i = argv[i + 1], i + 1
+        if key == "config":
+            path = value
+        else:
+            pairs.append((key, value))
+        i += 1
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"--config {path}: cannot read the file ({e.strerror})") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config {path}: not valid TOML ({e})") from e
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise _unknown(section, config)
+            for name, value in values.items():
+                _set(config, f"{section}.{name}", value)
+    for key, value in pairs:  # the command line wins over the file
+        _set(config, key, value)
+    return config
+
+
+def resolved_global_batch_size(config: JobConfig, dp: int) -> int:
+    t = config.training
+    return t.local_batch_size * dp if t.global_batch_size == -1 else t.global_batch_size
+
+
+def validate(config: JobConfig, world_size: int) -> ParallelDims:
+    """Cross-field checks that need only the world size; returns the ParallelDims to build."""
+    p, t = config.parallelism, config.training
+    try:
+        dims = ParallelDims(
+            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+            sp=p.ulysses_degree, tp=p.tensor_parallel_degree, world_size=world_size,
+        )
+    except ValueError as e:
+        raise ConfigError(f"parallelism: {e}") from e
+    try:
+        args = get_flavor(config.model.flavor)
+    except ValueError as e:
+        raise ConfigError(f"model.flavor: {e}") from e
+    try:
+        check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp)
+    except ValueError as e:
+        raise ConfigError(f"parallelism.ulysses_degree / tensor_parallel_degree: {e} (model.flavor {config.model.flavor!r})") from e
+    for key, value in (("training.seq_len", t.seq_len), ("training.local_batch_size", t.local_batch_size),
+                       ("training.steps", t.steps), ("optimizer.lr", config.optimizer.lr),
+                       ("checkpoint.interval", config.checkpoint.interval), ("metrics.log_freq", config.metrics.log_freq)):
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    try:
+        check_seq_len(t.seq_len, dims.sp)
+    except ValueError as e:
+        raise ConfigError(f"training.seq_len: {e}") from e
+    dp = dims.size("dp")
+    gbs = resolved_global_batch_size(config, dp)
+    if gbs <= 0 or gbs % (t.local_batch_size * dp):
+        raise ConfigError(
+            f"training.global_batch_size {gbs} must be a positive multiple of training.local_batch_size x dp = "
+            f"{t.local_batch_size} x {dp} = {t.local_batch_size * dp}"
+        )
+    if t.dataset == "text" and not t.dataset_path:
+        raise ConfigError("training.dataset 'text' needs training.dataset_path (a file or a folder of .txt/.jsonl/.parquet)")
+    if config.model.tokenizer == "tiktoken" and not config.model.tokenizer_path:
+        raise ConfigError("model.tokenizer 'tiktoken' needs model.tokenizer_path (a Llama-3 tokenizer.model file)")
+    if config.lr_scheduler.warmup_steps < 0:
+        raise ConfigError(f"lr_scheduler.warmup_steps {config.lr_scheduler.warmup_steps} must be >= 0")
+    if not 0.0 <= config.lr_scheduler.decay_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.decay_ratio {config.lr_scheduler.decay_ratio} must be within [0, 1]")
+    if config.checkpoint.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k {config.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
+    if config.model.loss_chunk_size < 0:
+        raise ConfigError(f"model.loss_chunk_size {config.model.loss_chunk_size} must be >= 0")
+    return dims
+
+
+def to_dict(config: JobConfig) -> dict:
+    return dataclasses.asdict(config)
