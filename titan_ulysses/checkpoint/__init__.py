@@ -1,0 +1,1 @@
+"""Distributed checkpoints (DCP) and Hugging Face export."""

@@ -1,0 +1,238 @@
+"""The training loop: config -> process group -> mesh -> model -> parallelize -> step -> log -> checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from titan_ulysses.checkpoint.manager import CheckpointManager
+from titan_ulysses.config.job_config import JobConfig
+from titan_ulysses.config.manager import ConfigError, resolved_global_batch_size, validate
+from titan_ulysses.data.datasets import build_dataset
+from titan_ulysses.data.loader import build_dataloader
+from titan_ulysses.data.sharding import shard_batch
+from titan_ulysses.data.tokenizer import build_tokenizer
+from titan_ulysses.distributed.parallel_dims import ParallelDims
+from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, global_token_count, load_full_state_dict
+from titan_ulysses.metrics.flops import flops_per_token, peak_flops
+from titan_ulysses.metrics.logger import MetricsLogger, max_memory_gib
+from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling, get_flavor
+from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.ops.attention import build_attention_mask
+from titan_ulysses.optim import build_lr_scheduler, build_optimizer
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# Backends that honour document ids; with sdpa, packed documents attend causally across
+# boundaries (a dense per-document mask would cost S^2 memory at long lengths).
+DOC_MASK_BACKENDS = ("flex", "flash_attn")
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def model_args(config: JobConfig, vocab_size: int) -> LlamaArgs:
+    m = config.model
+    args = get_flavor(m.flavor, attn_backend=m.attn_backend)
+    if vocab_size > args.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {vocab_size} ids but model.flavor {m.flavor!r} has vocab_size {args.vocab_size}"
+        )
+    overrides = {}
+    if m.rope_theta > 0:
+        overrides["rope_theta"] = m.rope_theta
+    if m.rope_scaling_factor > 0:
+        overrides["rope_scaling"] = dataclasses.replace(args.rope_scaling or RopeScaling(), factor=m.rope_scaling_factor)
+    return dataclasses.replace(args, **overrides)
+
+
+def init_distributed() -> torch.device:
+    """Join the torchrun job (or run as a world of one); NCCL on CUDA, gloo on CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # plain `python train.py`
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", RANK="0", WORLD_SIZE="1")
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def init_weights(model: Transformer, args: LlamaArgs, device: torch.device, seed: int) -> None:
+    """Initialise the sharded model so that its weights do not depend on the layout.
+
+    On CUDA, DTensor's offset-based RNG makes sharded init equal to unsharded init. On CPU
+    there is no such tracker (every shard would draw the same numbers), so the full model
+    is initialised on the host and loaded; CPU runs use small models.
+    """
+    torch.manual_seed(seed)
+    model.init_weights(buffer_device=device)
+    if device.type == "cpu":
+        full = Transformer(args)
+        torch.manual_seed(seed)
+        full.init_weights()
+        load_full_state_dict(model, full.state_dict())
+
+
+class Trainer:
+    def __init__(self, config: JobConfig):
+        self.config = config
+        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        self.parallel_dims: ParallelDims = validate(config, world_size)  # before any process group work
+        self.device = init_distributed()
+        if self.device.type == "cpu" and config.model.attn_backend != "sdpa":
+            raise ConfigError(
+                f"model.attn_backend {config.model.attn_backend!r} cannot train on CPU (FlexAttention has no CPU "
+                f"backward and flash-attn is CUDA-only); use model.attn_backend 'sdpa' on CPU"
+            )
+        self.rank = dist.get_rank()
+        pd = self.parallel_dims
+        pd.build_mesh(self.device.type)
+        t = config.training
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(t.seed)
+
+        dp_mesh = pd.get_mesh("dp")
+        self.global_batch_size = resolved_global_batch_size(config, pd.size("dp"))
+        self.accumulation_steps = self.global_batch_size // (t.local_batch_size * pd.size("dp"))
+        self.tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path)
+        dataset = build_dataset(t.dataset, t.dataset_path, self.tokenizer, t.seq_len, t.seed)
+        self.dataloader = build_dataloader(
+            dataset, global_batch_size=self.global_batch_size, local_batch_size=t.local_batch_size,
+            dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(),
+        )
+
+        self.args = model_args(config, self.tokenizer.vocab_size)
+        with torch.device("meta"):
+            model = Transformer(self.args)
+        options = ParallelizeOptions(
+            ac_mode=config.activation_checkpoint.mode,
+            compile=config.compile.enable,
+            param_dtype=DTYPES[t.mixed_precision_param],
+            reduce_dtype=DTYPES[t.mixed_precision_reduce],
+        )
+        self.model = parallelize_llama(model, pd, options)
+        self.model.to_empty(device=self.device)
+        init_weights(self.model, self.args, self.device, t.seed)
+
+        o = config.optimizer
+        self.optimizer = build_optimizer(
+            self.model, o.name, o.lr, o.weight_decay, o.eps, (o.beta1, o.beta2), self.device.type
+        )
+        s = config.lr_scheduler
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, t.steps, s.warmup_steps, s.decay_ratio, s.decay_type, s.min_lr_factor
+        )
+        c = config.checkpoint
+        self.checkpointer = CheckpointManager(
+            folder=os.path.join(config.job.dump_folder, c.folder), model=self.model, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, enable=c.enable, interval=c.interval,
+            async_mode=c.async_mode, keep_latest_k=c.keep_latest_k,
+        )
+        self.step = self.checkpointer.load() if c.enable else 0
+        if self.step == 0 and c.initial_load_path:
+            if c.initial_load_model_only:
+                self.checkpointer.load_model_only(c.initial_load_path)
+            else:
+                self.step = self.checkpointer.load_from(c.initial_load_path)
+        self.metrics = MetricsLogger(config.job.dump_folder, self.rank, config.metrics.enable_tensorboard)
+        self.flops_per_token = flops_per_token(self.args, t.seq_len)
+        self.peak_flops = peak_flops(self.device)
+        self.use_doc_mask = config.model.attn_backend in DOC_MASK_BACKENDS
+        self._preempted = False
+        if self.rank == 0:
+            print(
+                f"titan-ulysses: {self.args.num_params() / 1e6:.1f}M params, flavor {config.model.flavor}, "
+                f"layout {pd.degrees}, global batch {self.global_batch_size} x {t.seq_len} tokens "
+                f"({self.accumulation_steps} microbatch(es)), device {self.device.type}, starting at step {self.step}",
+                flush=True,
+            )
+
+    def _on_preempt(self, signum, frame) -> None:
+        self._preempted = True
+
+    def _microbatches(self, data_iter):
+        sp_mesh = self.parallel_dims.get_mesh("sp")
+        for _ in range(self.accumulation_steps):
+            batch = next(data_iter)
+            docs = batch["document_ids"] if self.use_doc_mask else None
+            positions = batch["positions"] if self.use_doc_mask else None
+            yield shard_batch(
+                batch["input"].to(self.device), batch["labels"].to(self.device),
+                sp_mesh.get_local_rank(), sp_mesh.size(),
+                positions=None if positions is None else positions.to(self.device),
+                document_ids=None if docs is None else docs.to(self.device),
+                pad_token=self.tokenizer.pad_id,
+            )
+
+    def train_step(self, data_iter) -> dict:
+        pd = self.parallel_dims
+        loss_mesh = pd.get_mesh("loss")
+        microbatches = list(self._microbatches(data_iter))
+        n_tokens = global_token_count([mb.labels for mb in microbatches], loss_mesh).to(self.device, torch.float32)
+        total = torch.zeros((), device=self.device)
+        for mb in microbatches:
+            mask = build_attention_mask(self.args.attn_backend, mb.document_ids)
+            loss = self.model(mb.tokens, positions=mb.positions, attention_mask=mask, labels=mb.labels) / n_tokens
+            loss.backward()
+            total += loss.detach()
+        global_loss = dist_sum(total, loss_mesh).item()
+        if not torch.isfinite(torch.tensor(global_loss)):
+            raise NonFiniteLossError(
+                f"loss is {global_loss} at step {self.step + 1}; stopping without saving, "
+                f"the last good checkpoint is kept"
+            )
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": global_loss, "grad_norm": grad_norm.item()}
+
+    def train(self) -> None:
+        t = self.config.training
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._on_preempt)
+        data_iter = iter(self.dataloader)
+        tokens_per_step = self.global_batch_size * t.seq_len
+        world = dist.get_world_size()
+        timer, steps_timed = time.perf_counter(), 0
+        try:
+            while self.step < t.steps:
+                lr = self.lr_scheduler.get_last_lr()[0]
+                out = self.train_step(data_iter)
+                self.step += 1
+                steps_timed += 1
+                if self.step % self.config.metrics.log_freq == 0 or self.step == 1 or self.step == t.steps:
+                    elapsed = time.perf_counter() - timer
+                    tps = tokens_per_step * steps_timed / elapsed / world
+                    mfu = None if self.peak_flops is None else 100 * tps * self.flops_per_token / self.peak_flops
+                    self.metrics.log({
+                        "step": self.step, **out, "lr": lr, "tokens_per_sec_per_device": tps,
+                        "mfu": mfu, "max_memory_gib": max_memory_gib(self.device),
+                    })
+                    timer, steps_timed = time.perf_counter(), 0
+                preempted = self._preempted_anywhere()
+                self.checkpointer.save(self.step, force=preempted or self.step == t.steps)
+                if preempted:
+                    if self.rank == 0:
+                        print(f"preempted: saved step {self.step}, exiting", flush=True)
+                    break
+        finally:
+            self.checkpointer.close()
+            self.metrics.close()
+
+    def _preempted_anywhere(self) -> bool:
+        """A signal may reach only some ranks: agree on it so that all of them save together."""
+        flag = torch.tensor([1.0 if self._preempted else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

@@ -1,0 +1,27 @@
+"""Entry point: `torchrun --nproc-per-node N train.py --config train_configs/X.toml [--section.key value ...]`."""
+
+import sys
+
+from titan_ulysses.config.manager import ConfigError, load_config
+
+
+def main(argv: list[str]) -> int:
+    try:
+        config = load_config(argv)
+        from titan_ulysses.trainer import Trainer
+
+        trainer = Trainer(config)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    trainer.train()
+    return 0
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    code = main(sys.argv[1:])
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)
