@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -20,11 +21,23 @@ def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None
     dist.destroy_process_group()
 
 
+TIMEOUT_S = 300
+
+
 def run_distributed(fn, world_size: int, *args) -> None:
-    """Call ``fn(*args)`` on ``world_size`` freshly spawned gloo ranks (``fn`` must be importable)."""
+    """Call ``fn(*args)`` on ``world_size`` freshly spawned gloo ranks (``fn`` must be importable).
+
+    A deadlock fails the test after ``TIMEOUT_S`` seconds instead of hanging CI.
+    """
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "store")
-        mp.spawn(_worker, args=(fn, world_size, init_file, args), nprocs=world_size, join=True)
+        ctx = mp.spawn(_worker, args=(fn, world_size, init_file, args), nprocs=world_size, join=False)
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {TIMEOUT_S}s (deadlock?)")
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol=1e-5, atol=1e-5) -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
@@ -49,6 +50,17 @@ def _train(argv, hooks=None):
             return out
 
         trainer.train_step = step_then_signal
+    if hooks == "nan_at_3":
+        step_fn = trainer.train_step
+
+        def poisoned_step(data_iter):
+            if trainer.step == 2:  # step 3 sees NaN weights on every rank
+                with torch.no_grad():
+                    for p in trainer.model.parameters():
+                        p.fill_(float("nan"))
+            return step_fn(data_iter)
+
+        trainer.train_step = poisoned_step
     trainer.train()
 
 
@@ -96,6 +108,14 @@ def test_sigterm_on_one_rank_saves_and_stops_all(tmp_path):
     metrics = run(2, ["--training.steps", "50"] + ckpt + layout(sp=2), tmp_path, "preempted", "sigterm_rank0_at_2")
     assert [m["step"] for m in metrics] == [1, 2]
     assert sorted(os.listdir(tmp_path / "preempted" / "checkpoint")) == ["step-2"]
+
+
+def test_nan_loss_stops_without_touching_the_last_checkpoint(tmp_path):
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    with pytest.raises(Exception, match="loss is nan at step 3"):
+        run(2, ["--training.steps", "10"] + ckpt + layout(sp=2), tmp_path, "nan", "nan_at_3")
+    assert sorted(os.listdir(tmp_path / "nan" / "checkpoint")) == ["step-2"]
+    assert [m["step"] for m in read_metrics(tmp_path / "nan")] == [1, 2]
 
 
 def test_config_error_exits_nonzero_with_one_line():

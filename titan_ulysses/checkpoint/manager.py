@@ -96,8 +96,9 @@ class CheckpointManager:
         self._pending = None  # (future, tmp_dir, final_dir) of an async save in flight
         self._last_saved = None
         self._async_pg = None
-        if enable and async_mode != "disabled" and dist.get_backend() != "gloo":
-            # background saves coordinate over CPU, apart from the training collectives
+        if enable and async_mode != "disabled":
+            # Background saves coordinate over their own CPU group: sharing a group with the
+            # training loop's collectives (even a gloo one) would interleave them and deadlock.
             self._async_pg = dist.new_group(backend="gloo")
 
     def _state(self, step: int = 0, model_only: bool = False) -> dict:
