@@ -1,6 +1,10 @@
 """Entry point: `torchrun --nproc-per-node N train.py --config train_configs/X.toml [--section.key value ...]`."""
 
 import sys
+import warnings
+
+# torchdata's StatefulDataLoader calls a deprecated torch API on every construction
+warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 from titan_ulysses.config.manager import ConfigError, load_config
 

@@ -41,7 +41,7 @@ def build_pair(args, parallel_dims: ParallelDims, options: ParallelizeOptions):
         model = Transformer(args)
     parallelize_llama(model, parallel_dims, options)
     model.to_empty(device="cpu")
-    model.init_weights()
+    model.init_buffers()
     load_full_state_dict(model, ref.state_dict())
     return ref, model
 

@@ -64,6 +64,16 @@ def test_packing_keeps_document_boundaries(tmp_path):
     assert torch.equal(ds[1]["input"], ds[0]["input"])  # wraps around
 
 
+def test_parquet_documents(tmp_path):
+    pa = pytest.importorskip("pyarrow")  # a dev dependency: installed in CI
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["abc", "defgh", "xy"]}), tmp_path / "d.parquet")
+    item = PackedTextDataset(str(tmp_path), ByteTokenizer(), seq_len=8)[0]
+    assert item["document_ids"].tolist() == [0] * 5 + [1] * 3
+    assert ByteTokenizer().decode(item["input"].tolist()) == "abcde"  # [B a b c E][B d e
+
+
 def test_packing_too_little_text(tmp_path):
     (tmp_path / "a.txt").write_text("hi")
     with pytest.raises(ValueError, match="fewer than training.seq_len"):

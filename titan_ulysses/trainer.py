@@ -74,13 +74,15 @@ def init_weights(model: Transformer, args: LlamaArgs, device: torch.device, seed
     there is no such tracker (every shard would draw the same numbers), so the full model
     is initialised on the host and loaded; CPU runs use small models.
     """
-    torch.manual_seed(seed)
-    model.init_weights(buffer_device=device)
     if device.type == "cpu":
+        model.init_buffers(device)
         full = Transformer(args)
         torch.manual_seed(seed)
         full.init_weights()
         load_full_state_dict(model, full.state_dict())
+    else:
+        torch.manual_seed(seed)
+        model.init_weights(buffer_device=device)
 
 
 class Trainer:

@@ -164,12 +164,17 @@ class Transformer(nn.Module):
             return linear_cross_entropy_sum(h, weight, labels, self.args.loss_chunk_size)
         return F.linear(h, weight)  # [B, S, vocab]
 
+    def init_buffers(self, buffer_device: torch.device | None = None):
+        """(Re)compute the non-persistent RoPE frequencies (garbage after ``to_empty``)."""
+        args = self.args
+        inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
+        self.rope_inv_freq = inv_freq.to(buffer_device or self.rope_inv_freq.device)
+
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None):
         """(Re)initialise every parameter and buffer; call after ``to_empty`` when built on meta."""
         args = self.args
-        inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
-        self.rope_inv_freq = inv_freq.to(buffer_device or self.rope_inv_freq.device)
+        self.init_buffers(buffer_device)
         nn.init.normal_(self.tok_embeddings.weight, std=1.0 if self.output is not None else 0.02)
         for layer in self.layers.values():
             layer.init_weights()
