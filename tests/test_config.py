@@ -17,9 +17,15 @@ def test_defaults_and_toml_and_overrides(tmp_path):
     assert c.job.description == "hi there" and c.checkpoint.enable is True
 
 
-def test_the_shipped_configs_load_and_validate():
-    c = load_config(["--config", "train_configs/debug_model.toml"])
-    assert validate(c, 2).sp == 2
+@pytest.mark.parametrize("name,world,degrees", [
+    ("debug_model", 2, {"dp_replicate": 1, "dp_shard": 1, "sp": 2, "tp": 1}),
+    ("llama3_8b_128k", 8, {"dp_replicate": 1, "dp_shard": 1, "sp": 8, "tp": 1}),
+    ("llama3_8b_512k", 32, {"dp_replicate": 1, "dp_shard": 4, "sp": 8, "tp": 1}),
+    ("llama3_1b_long", 8, {"dp_replicate": 1, "dp_shard": 1, "sp": 8, "tp": 1}),
+])
+def test_the_shipped_configs_load_and_validate(name, world, degrees):
+    c = load_config(["--config", f"train_configs/{name}.toml"])
+    assert validate(c, world).degrees == degrees
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -60,6 +66,7 @@ def test_bad_toml_types(tmp_path):
     (["--model.tokenizer", "tiktoken"], 1, r"model.tokenizer 'tiktoken' needs model.tokenizer_path"),
     (["--model.flavor", "7B"], 1, r"model.flavor: model flavor '7B' is not one of"),
     (["--training.steps", "0"], 1, r"training.steps must be positive"),
+    (["--float8.enable", "true"], 1, r"float8.enable: float8 training .* not implemented yet"),
 ])
 def test_validation_refusals(argv, world, message):
     with pytest.raises(ConfigError, match=message):

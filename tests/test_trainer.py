@@ -90,7 +90,10 @@ def test_loss_sequence_equal_across_layouts(tmp_path):
 
 def test_resume_equals_uninterrupted_and_reshards(tmp_path):
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "3"]
-    full = losses(run(2, ["--training.steps", "6"] + ckpt + layout(sp=2), tmp_path, "full"))
+    tb = ["--metrics.enable_tensorboard", "true"]
+    full = losses(run(2, ["--training.steps", "6"] + ckpt + tb + layout(sp=2), tmp_path, "full"))
+    events = [f for _, _, files in os.walk(tmp_path / "full" / "tb") for f in files]
+    assert any(f.startswith("events.out.tfevents") for f in events)
     # same layout: stop at 3, rerun the same command to 6
     run(2, ["--training.steps", "3"] + ckpt + layout(sp=2), tmp_path, "resumed")
     resumed = losses(run(2, ["--training.steps", "6"] + ckpt + layout(sp=2), tmp_path, "resumed"))

@@ -162,6 +162,10 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         raise ConfigError(f"lr_scheduler.decay_ratio {config.lr_scheduler.decay_ratio} must be within [0, 1]")
     if config.checkpoint.keep_latest_k < 0:
         raise ConfigError(f"checkpoint.keep_latest_k {config.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
+    if config.float8.enable:
+        raise ConfigError(
+            "float8.enable: float8 training (torchao) is not implemented yet; set float8.enable = false"
+        )
     if config.model.loss_chunk_size < 0:
         raise ConfigError(f"model.loss_chunk_size {config.model.loss_chunk_size} must be >= 0")
     return dims
