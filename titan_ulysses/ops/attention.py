@@ -38,15 +38,31 @@ def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+_compiled_flex = None
+
+
+def _flex_kernel(on_cuda: bool):
+    """Eager flex_attention materialises the full score matrix; on CUDA use the compiled
+    (fused) kernel unless we are already inside a compiled region."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    if not on_cuda or torch.compiler.is_compiling():
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
 class FlexAttention(nn.Module):
     def forward(self, q, k, v, attention_mask=None):
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
 
         b, s = q.shape[:2]
         if attention_mask is None:
             attention_mask = create_block_mask(_causal, None, None, s, s, device=q.device)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        out = flex_attention(
+        out = _flex_kernel(q.is_cuda)(
             q, k, v, block_mask=attention_mask, enable_gqa=q.shape[1] != k.shape[1]
         )
         return out.transpose(1, 2)
