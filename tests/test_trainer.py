@@ -106,6 +106,18 @@ def test_resume_equals_uninterrupted_and_reshards(tmp_path):
     assert_losses_equal(resharded, full, range(4, 7))
 
 
+def test_context_extension_starts_from_another_runs_weights(tmp_path):
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "100"]
+    run(2, ["--training.steps", "6"] + ckpt + layout(sp=2), tmp_path, "short")
+    longer = ["--training.steps", "1", "--training.seq_len", "256", "--model.rope_scaling_factor", "2"] + layout(sp=2)
+    fresh = run(2, longer, tmp_path, "fresh")
+    extended = run(2, longer + ckpt + ["--checkpoint.initial_load_path", str(tmp_path / "short" / "checkpoint" / "step-6")],
+                   tmp_path, "extended")
+    # a new run (step 1, its own schedule) whose weights already know the task
+    assert [m["step"] for m in extended] == [1]
+    assert extended[0]["loss"] < 0.7 * fresh[0]["loss"]
+
+
 def test_sigterm_on_one_rank_saves_and_stops_all(tmp_path):
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "100"]
     metrics = run(2, ["--training.steps", "50"] + ckpt + layout(sp=2), tmp_path, "preempted", "sigterm_rank0_at_2")
