@@ -51,3 +51,29 @@ def _sharded_chunked_loss_matches_reference():
 
 def test_sharded_model_with_chunked_loss_matches_reference():
     run_distributed(_sharded_chunked_loss_matches_reference, 2)
+
+
+def test_tiled_mlp_matches_plain_and_saves_only_its_input():
+    from titan_ulysses.models.llama.model import FeedForward
+
+    torch.manual_seed(0)
+    plain, tiled = FeedForward(16, 48), FeedForward(16, 48, tile_size=5)
+    tiled.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 13, 16, dtype=torch.float64)
+    plain.double(), tiled.double()
+    outs = []
+    for mlp in (plain, tiled):
+        xi = x.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = mlp(xi)
+        out.backward(torch.ones_like(out))
+        outs.append((out.detach(), xi.grad, [p.grad for p in mlp.parameters()], sum(saved)))
+    (po, px, pg, p_saved), (to, tx, tg, t_saved) = outs
+    torch.testing.assert_close(to, po)
+    torch.testing.assert_close(tx, px)
+    for a, b in zip(tg, pg):
+        torch.testing.assert_close(a, b)
+    # the tiled MLP keeps its input and weights, never [B, S, 48] intermediates
+    assert t_saved == x.numel() + sum(p.numel() for p in tiled.parameters())
+    assert p_saved > t_saved + 2 * 13 * 48

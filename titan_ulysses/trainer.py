@@ -44,7 +44,7 @@ def model_args(config: JobConfig, vocab_size: int) -> LlamaArgs:
         raise ValueError(
             f"the tokenizer has {vocab_size} ids but model.flavor {m.flavor!r} has vocab_size {args.vocab_size}"
         )
-    overrides = {}
+    overrides = {"loss_chunk_size": m.loss_chunk_size, "mlp_tile_size": m.mlp_tile_size}
     if m.rope_theta > 0:
         overrides["rope_theta"] = m.rope_theta
     if m.rope_scaling_factor > 0:

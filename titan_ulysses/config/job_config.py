@@ -31,6 +31,8 @@ class Model:
     """Llama-3.1 RoPE scaling factor (context extension); 0 keeps the flavor's."""
     loss_chunk_size: int = 0
     """Tokens per chunk of output projection + loss (0: all logits at once)."""
+    mlp_tile_size: int = 0
+    """Tokens per tile of the tiled MLP with recompute (0: untiled)."""
 
 
 @dataclass

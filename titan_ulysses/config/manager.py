@@ -166,8 +166,9 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         raise ConfigError(
             "float8.enable: float8 training (torchao) is not implemented yet; set float8.enable = false"
         )
-    if config.model.loss_chunk_size < 0:
-        raise ConfigError(f"model.loss_chunk_size {config.model.loss_chunk_size} must be >= 0")
+    for key in ("loss_chunk_size", "mlp_tile_size"):
+        if getattr(config.model, key) < 0:
+            raise ConfigError(f"model.{key} {getattr(config.model, key)} must be >= 0 (0 turns it off)")
     return dims
 
 

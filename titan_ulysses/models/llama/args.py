@@ -30,6 +30,8 @@ class LlamaArgs:
     tie_embeddings: bool = False
     attn_backend: str = "sdpa"
     """Local attention: "sdpa", "flex" or "flash_attn" (see ops/attention.py)."""
+    mlp_tile_size: int = 0
+    """Tokens per tile of the tiled MLP (0: untiled). Bounds MLP intermediates to one tile."""
     loss_chunk_size: int = 0
     """Tokens per chunk of the output projection + cross-entropy when the model computes the
     loss (0: all logits at once). Bounds logits memory to [loss_chunk_size, vocab]."""

@@ -19,6 +19,7 @@ from torch import nn
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
 from titan_ulysses.ops.attention import build_attention
 from titan_ulysses.ops.loss import linear_cross_entropy_sum
+from titan_ulysses.ops.tiled import tiled_apply
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -87,14 +88,18 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, tile_size: int = 0):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.tile_size = tile_size
 
-    def forward(self, x):  # [B, S, D]
+    def swiglu(self, x):  # [B, S, D] -> [B, S, D] via [B, S, ffn_hidden]
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def forward(self, x):
+        return tiled_apply(self, self.swiglu, x, self.tile_size)
 
     def init_weights(self, std: float):
         nn.init.trunc_normal_(self.w1.weight, std=0.02)
@@ -106,7 +111,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: LlamaArgs):
         super().__init__()
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, args.mlp_tile_size)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         # depth-scaled init of the projections that write into the residual stream
