@@ -97,6 +97,7 @@ CASES = {
     "sp2-tied-embeddings": (2, dict(sp=2), "none", 1, dict(tie_embeddings=True)),
     "dp_shard2-sp2-accum2": (4, dict(dp_shard=2, sp=2), "none", 2, {}),
     "sp2-ac-full": (2, dict(sp=2), "full", 1, {}),
+    "dp_shard2-sp2-ac-full-offload": (4, dict(dp_shard=2, sp=2), "full_offload", 1, {}),
     "sp2-tp2-tiled-mlp": (4, dict(sp=2, tp=2), "none", 1, dict(mlp_tile_size=3)),
     "sp2-ac-full-tiled-mlp": (2, dict(sp=2), "full", 1, dict(mlp_tile_size=2)),
     "dp_shard2-sp2-ac-selective": (4, dict(dp_shard=2, sp=2), "selective", 1, {}),

@@ -104,7 +104,8 @@ class LRScheduler:
 @dataclass
 class ActivationCheckpoint:
     mode: str = "none"
-    """none, full (recompute each block) or selective (keep matmul/attention/collective outputs)."""
+    """none, full (recompute each block), selective (keep matmul/attention/collective outputs)
+    or full_offload (full, with each block's saved input in host memory)."""
 
 
 @dataclass
@@ -172,7 +173,7 @@ CHOICES = {
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "optimizer.name": ("AdamW",),
     "lr_scheduler.decay_type": ("linear", "cosine", "sqrt"),
-    "activation_checkpoint.mode": ("none", "full", "selective"),
+    "activation_checkpoint.mode": ("none", "full", "selective", "full_offload"),
     "float8.recipe": ("tensorwise", "rowwise"),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
 }

@@ -4,6 +4,10 @@
 * ``selective``: op-level selective checkpointing: keep the outputs of matmuls, attention
   kernels and collectives, recompute the cheap elementwise work (norms, RoPE, SiLU) --
   so backward neither redoes an all-to-all nor an attention forward.
+* ``full_offload``: ``full``, and the one tensor each block still keeps (its input,
+  ``[B, S/sp, D]``) goes to host memory (pinned on CUDA) until backward needs it. At 1M
+  tokens with sp=8, Llama-3-8B keeps 32 x 1 GiB of block inputs in bf16; this moves them
+  off the GPU. The copies are synchronous (not yet overlapped with compute).
 """
 
 from __future__ import annotations
@@ -12,10 +16,22 @@ import functools
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "full_offload")
+
+
+class OffloadingCheckpointWrapper(CheckpointWrapper):
+    """Full activation checkpointing whose saved inputs live in host memory."""
+
+    def forward(self, *args, **kwargs):
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return super().forward(*args, **kwargs)
 
 
 # Ops whose outputs selective AC keeps; looked up by name, since the set of attention
@@ -60,6 +76,8 @@ def apply_ac(model: nn.Module, mode: str) -> None:
     for name, block in model.layers.named_children():
         if mode == "full":
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif mode == "full_offload":
+            wrapped = OffloadingCheckpointWrapper(block, CheckpointImpl.NO_REENTRANT, preserve_rng_state=False)
         else:
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_context)
         model.layers.register_module(name, wrapped)
