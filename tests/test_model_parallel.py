@@ -36,11 +36,11 @@ LR = 1e-3
 MAX_NORM = 0.05
 
 
-def _compare(layout: dict, ac_mode: str, microbatches: int, model_overrides: dict):
+def _compare(layout: dict, ac_mode: str, microbatches: int, model_overrides: dict, cpu_offload=False):
     pd = ParallelDims(**layout, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
     args = small_args(**model_overrides)
-    ref, model = build_pair(args, pd, ParallelizeOptions(ac_mode=ac_mode, param_dtype=torch.float32))
+    ref, model = build_pair(args, pd, ParallelizeOptions(ac_mode=ac_mode, param_dtype=torch.float32, cpu_offload=cpu_offload))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, foreach=False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
     ref_params = dict(ref.named_parameters())
@@ -102,6 +102,10 @@ CASES = {
     "sp2-ac-full-tiled-mlp": (2, dict(sp=2), "full", 1, dict(mlp_tile_size=2)),
     "dp_shard2-sp2-ac-selective": (4, dict(dp_shard=2, sp=2), "selective", 1, {}),
 }
+
+
+def test_fsdp_cpu_offload_matches_single_process():
+    run_distributed(_compare, 2, dict(sp=2), "none", 1, {}, True)
 
 
 @pytest.mark.parametrize("case", list(CASES))

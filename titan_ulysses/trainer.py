@@ -122,15 +122,16 @@ class Trainer:
             compile=config.compile.enable,
             param_dtype=DTYPES[t.mixed_precision_param],
             reduce_dtype=DTYPES[t.mixed_precision_reduce],
+            cpu_offload=t.enable_cpu_offload,
         )
         self.model = parallelize_llama(model, pd, options)
         self.model.to_empty(device=self.device)
         init_weights(self.model, self.args, self.device, t.seed)
 
         o = config.optimizer
-        self.optimizer = build_optimizer(
-            self.model, o.name, o.lr, o.weight_decay, o.eps, (o.beta1, o.beta2), self.device.type
-        )
+        # with CPU offload the optimizer steps on host-resident shards
+        opt_device = "cpu" if t.enable_cpu_offload else self.device.type
+        self.optimizer = build_optimizer(self.model, o.name, o.lr, o.weight_decay, o.eps, (o.beta1, o.beta2), opt_device)
         s = config.lr_scheduler
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, t.steps, s.warmup_steps, s.decay_ratio, s.decay_type, s.min_lr_factor

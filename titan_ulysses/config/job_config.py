@@ -71,6 +71,8 @@ class Training:
     """Dtype parameters are gathered in for compute: bfloat16 or float32."""
     mixed_precision_reduce: str = "float32"
     """Dtype of gradient reduction: float32 or bfloat16."""
+    enable_cpu_offload: bool = False
+    """FSDP2 CPU offload: sharded parameters, gradients and optimizer state in host memory."""
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def apply_fsdp(
@@ -24,17 +24,22 @@ def apply_fsdp(
     param_dtype: torch.dtype = torch.bfloat16,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
 ) -> None:
     """Shard each block, then the root (embeddings, final norm, output).
 
     ``dp_mesh`` is ``ParallelDims.get_mesh("fsdp")``: dp_shard x sp flattened, or for HSDP
     the 2-D (dp_replicate, dp_shard x sp) mesh.
     """
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kwargs = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    if cpu_offload:
+        # sharded parameters, gradients and optimizer state live in (pinned) host memory;
+        # the optimizer steps on the CPU
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     # the root is needed first in backward: keep its parameters gathered after forward
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -25,6 +25,8 @@ class ParallelizeOptions:
     """Dtype FSDP gathers parameters in for compute (float32 for exact comparisons)."""
     reduce_dtype: torch.dtype = torch.float32
     """Dtype of the gradient reduction."""
+    cpu_offload: bool = False
+    """FSDP2 CPU offload of sharded parameters, gradients and optimizer state."""
 
 
 def parallelize_llama(
@@ -45,5 +47,6 @@ def parallelize_llama(
     if options.compile:
         apply_compile(model)
     if parallel_dims.fsdp_enabled:
-        apply_fsdp(model, parallel_dims.get_mesh("fsdp"), options.param_dtype, options.reduce_dtype)
+        apply_fsdp(model, parallel_dims.get_mesh("fsdp"), options.param_dtype, options.reduce_dtype,
+                   cpu_offload=options.cpu_offload)
     return model
