@@ -87,7 +87,8 @@ def test_loss_sequence_equal_across_layouts(tmp_path):
     assert_losses_equal(sp2, ref, range(1, 5))
     assert_losses_equal(dp_sp, ref, range(1, 5))
     # the memory switches change nothing numerically (and reach the model from the config)
-    lean = ["--model.loss_chunk_size", "50", "--model.mlp_tile_size", "48"]
+    lean = ["--model.loss_chunk_size", "50", "--model.mlp_tile_size", "48",
+            "--activation_checkpoint.mode", "full_offload", "--training.enable_cpu_offload", "true"]
     sp2_lean = losses(run(2, ["--training.steps", "4"] + lean + layout(sp=2), tmp_path, "sp2_lean"))
     assert_losses_equal(sp2_lean, ref, range(1, 5))
 
