@@ -19,6 +19,7 @@ from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.tokenizer import build_tokenizer
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, global_token_count, load_full_state_dict
+from titan_ulysses.metrics.comm import ulysses_bytes_per_step
 from titan_ulysses.metrics.flops import flops_per_token, peak_flops
 from titan_ulysses.metrics.logger import MetricsLogger, max_memory_gib
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling, get_flavor
@@ -52,14 +53,22 @@ def model_args(config: JobConfig, vocab_size: int) -> LlamaArgs:
     return dataclasses.replace(args, **overrides)
 
 
-def init_distributed() -> torch.device:
-    """Join the torchrun job (or run as a world of one); NCCL on CUDA, gloo on CPU."""
+def init_distributed(fake_world_size: int = 0) -> torch.device:
+    """Join the torchrun job (or run as a world of one); NCCL on CUDA, gloo on CPU.
+
+    With ``fake_world_size`` > 0, become rank 0 of that many ranks on PyTorch's fake
+    process group (collectives return at once and move no data).
+    """
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    if fake_world_size and not dist.is_initialized():
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world_size)
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # plain `python train.py`
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", RANK="0", WORLD_SIZE="1")
@@ -90,7 +99,8 @@ class Trainer:
         self.config = config
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.parallel_dims: ParallelDims = validate(config, world_size)  # before any process group work
-        self.device = init_distributed()
+        self.fake = config.comm.mode == "fake"
+        self.device = init_distributed(config.comm.fake_world_size if self.fake else 0)
         if self.device.type == "cpu" and config.model.attn_backend != "sdpa":
             raise ConfigError(
                 f"model.attn_backend {config.model.attn_backend!r} cannot train on CPU (FlexAttention has no CPU "
@@ -152,12 +162,18 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
         self.peak_flops = peak_flops(self.device)
         self.use_doc_mask = config.model.attn_backend in DOC_MASK_BACKENDS
+        self.a2a_bytes = ulysses_bytes_per_step(
+            self.args, t.seq_len, self.global_batch_size // pd.size("dp"), pd.sp, pd.tp,
+            torch.finfo(options.param_dtype).bits // 8, options.ac_mode in ("full", "full_offload"),
+        )
         self._preempted = False
         if self.rank == 0:
             print(
                 f"titan-ulysses: {self.args.num_params() / 1e6:.1f}M params, flavor {config.model.flavor}, "
                 f"layout {pd.degrees}, global batch {self.global_batch_size} x {t.seq_len} tokens "
-                f"({self.accumulation_steps} microbatch(es)), device {self.device.type}, starting at step {self.step}",
+                f"({self.accumulation_steps} microbatch(es)), device {self.device.type}, starting at step {self.step}"
+                + (f"\nFAKE process group: rank 0 of {dist.get_world_size()}; memory and compute are real, "
+                   f"losses are not" if self.fake else ""),
                 flush=True,
             )
 
@@ -190,7 +206,7 @@ class Trainer:
             loss.backward()
             total += loss.detach()
         global_loss = dist_sum(total, loss_mesh).item()
-        if not torch.isfinite(torch.tensor(global_loss)):
+        if not self.fake and not torch.isfinite(torch.tensor(global_loss)):
             raise NonFiniteLossError(
                 f"loss is {global_loss} at step {self.step + 1}; stopping without saving, "
                 f"the last good checkpoint is kept"
@@ -222,6 +238,8 @@ class Trainer:
                     self.metrics.log({
                         "step": self.step, **out, "lr": lr, "tokens_per_sec_per_device": tps,
                         "mfu": mfu, "max_memory_gib": max_memory_gib(self.device),
+                        "a2a_gib_per_step": self.a2a_bytes / 2**30,
+                        "a2a_model_sec": self.a2a_bytes / (self.config.comm.link_bandwidth_gbps * 1e9),
                     })
                     timer, steps_timed = time.perf_counter(), 0
                 preempted = self._preempted_anywhere()

@@ -151,6 +151,18 @@ class Metrics:
 
 
 @dataclass
+class Comm:
+    mode: str = "default"
+    """"default" (real process group) or "fake": one process plays rank 0 of a
+    fake_world_size job on a fake process group, to measure per-rank memory and compute of a
+    production layout on one device. Collectives move no data: losses are meaningless."""
+    fake_world_size: int = 8
+    """World size simulated when mode = "fake"."""
+    link_bandwidth_gbps: float = 450.0
+    """GB/s per direction between sp ranks, for the all-to-all time model (H100 NVLink: 450)."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -163,6 +175,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
 
 
 # Settings with a fixed set of values.
@@ -178,4 +191,5 @@ CHOICES = {
     "activation_checkpoint.mode": ("none", "full", "selective", "full_offload"),
     "float8.recipe": ("tensorwise", "rowwise"),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
+    "comm.mode": ("default", "fake"),
 }

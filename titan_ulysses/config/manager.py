@@ -119,8 +119,20 @@ def resolved_global_batch_size(config: JobConfig, dp: int) -> int:
 
 
 def validate(config: JobConfig, world_size: int) -> ParallelDims:
-    """Cross-field checks that need only the world size; returns the ParallelDims to build."""
+    """Cross-field checks that need only the world size; returns the ParallelDims to build.
+
+    In ``comm.mode = "fake"`` the job must be one process and the layout is checked
+    against ``comm.fake_world_size``.
+    """
     p, t = config.parallelism, config.training
+    if config.comm.mode == "fake":
+        if world_size != 1:
+            raise ConfigError(f"comm.mode 'fake' simulates a job in one process; launch 1 process, not {world_size}")
+        if config.comm.fake_world_size < 1:
+            raise ConfigError(f"comm.fake_world_size {config.comm.fake_world_size} must be >= 1")
+        if config.checkpoint.enable:
+            raise ConfigError("checkpoint.enable must be false with comm.mode 'fake' (its weights are not real)")
+        world_size = config.comm.fake_world_size
     try:
         dims = ParallelDims(
             dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,

@@ -1,0 +1,27 @@
+"""A model of Ulysses all-to-all traffic per rank, for reporting communication time apart
+from measured compute (fake-process-group simulation, see docs/simulation.md)."""
+
+from __future__ import annotations
+
+from titan_ulysses.distributed.ulysses import kv_replication_factor
+from titan_ulysses.models.llama.args import LlamaArgs
+
+
+def ulysses_bytes_per_step(args: LlamaArgs, seq_len: int, tokens_batch: int, sp: int, tp: int,
+                           dtype_bytes: int, recompute_forward: bool) -> float:
+    """Bytes one rank sends over the sp group's links in one optimizer step.
+
+    ``tokens_batch`` is the number of sequences this rank processes per step (all
+    microbatches). Per layer, the forward sends (P-1)/P of its local q, k, v (kv heads after
+    replication) and of the attention output; backward sends the same volume of gradients;
+    full activation checkpointing repeats the forward exchanges.
+    """
+    if sp == 1:
+        return 0.0
+    hq, hkv = args.n_heads // tp, args.n_kv_heads // tp
+    hkv *= kv_replication_factor(hq, hkv, sp)
+    local_tokens = tokens_batch * seq_len / sp
+    per_exchange = local_tokens * args.head_dim * dtype_bytes * (sp - 1) / sp
+    forward = per_exchange * (hq + 2 * hkv) + per_exchange * hq
+    passes = 3 if recompute_forward else 2  # forward, backward (+ recomputed forward)
+    return args.n_layers * forward * passes
