@@ -54,7 +54,7 @@ def _compare(layout: dict, ac_mode: str, microbatches: int, model_overrides: dic
 
         if step == 0 and microbatches == 1:
             # this rank's logits against the matching rows and tokens of the reference
-            dp, sp = pd.get_mesh("dp").size(), pd.get_mesh("sp").size()
+            dp = pd.get_mesh("dp").size()
             rows = inputs.chunk(dp)[pd.get_mesh("dp").get_local_rank()]
             with torch.no_grad():
                 ref_logits = ref(rows)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import time
@@ -206,7 +207,7 @@ class Trainer:
             loss.backward()
             total += loss.detach()
         global_loss = dist_sum(total, loss_mesh).item()
-        if not self.fake and not torch.isfinite(torch.tensor(global_loss)):
+        if not self.fake and not math.isfinite(global_loss):
             raise NonFiniteLossError(
                 f"loss is {global_loss} at step {self.step + 1}; stopping without saving, "
                 f"the last good checkpoint is kept"
