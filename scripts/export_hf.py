@@ -23,8 +23,11 @@ def main(argv=None) -> int:
     parser.add_argument("--flavor", required=True, help="model.flavor of the run")
     parser.add_argument("--output", required=True, help="folder for config.json and model.safetensors")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--rope-theta", type=float, default=0.0)
-    parser.add_argument("--rope-scaling-factor", type=float, default=0.0)
+    parser.add_argument("--rope-theta", type=float, default=0.0, help="model.rope_theta when the run overrode it")
+    parser.add_argument("--rope-scaling-factor", type=float, default=0.0,
+                        help="model.rope_scaling_factor when the run overrode it")
+    parser.add_argument("--max-position-embeddings", type=int, default=131072,
+                        help="max_position_embeddings written to config.json")
     a = parser.parse_args(argv)
     args = get_flavor(a.flavor)
     if a.rope_theta > 0:
@@ -33,7 +36,7 @@ def main(argv=None) -> int:
         args = dataclasses.replace(
             args, rope_scaling=dataclasses.replace(args.rope_scaling or RopeScaling(), factor=a.rope_scaling_factor)
         )
-    export_hf(a.checkpoint, args, a.output, getattr(torch, a.dtype))
+    export_hf(a.checkpoint, args, a.output, getattr(torch, a.dtype), a.max_position_embeddings)
     print(f"wrote {a.output}/config.json and {a.output}/model.safetensors")
     return 0
 

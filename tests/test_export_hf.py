@@ -1,4 +1,8 @@
-"""A sharded checkpoint exported to Hugging Face format gives transformers' Llama the same logits."""
+"""A sharded checkpoint exported to Hugging Face format gives transformers' Llama the same logits.
+
+transformers is a dev dependency; without it the logits tests skip, and the RoPE permutation
+is still checked against an independent rotate_half implementation below.
+"""
 
 import json
 import os
@@ -11,18 +15,19 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from model_harness import build_pair, small_args
-from titan_ulysses.checkpoint.hf import export_hf
+from titan_ulysses.checkpoint.hf import export_hf, interleaved_to_halves
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.distributed.parallel_dims import ParallelDims
+from titan_ulysses.distributed.utils import load_full_state_dict
 from titan_ulysses.models.llama.args import RopeScaling, get_flavor
-from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.models.llama.model import Transformer, apply_rope
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {
     # RoPE scaling with a short original context so it matters at 24 tokens
-    "rope-scaled": dict(rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=16)),
-    "tied": dict(tie_embeddings=True, rope_theta=500000.0),
+    "rope-scaled": {"rope_scaling": RopeScaling(factor=4.0, original_max_position_embeddings=16)},
+    "tied": {"tie_embeddings": True, "rope_theta": 500000.0},
 }
 
 
@@ -31,6 +36,11 @@ def _save_sharded(folder, overrides, flavor=None):
     pd.build_mesh("cpu")
     args = get_flavor(flavor) if flavor else small_args(**overrides)
     ref, model = build_pair(args, pd, ParallelizeOptions(param_dtype=torch.float32))
+    with torch.no_grad():  # sharp attention, so that RoPE mistakes (order, scaling) show in the logits
+        for layer in ref.layers.values():
+            layer.attention.wq.weight.mul_(10)
+            layer.attention.wk.weight.mul_(10)
+    load_full_state_dict(model, ref.state_dict())
     opt = torch.optim.AdamW(model.parameters())
     CheckpointManager(folder=folder, model=model, optimizer=opt, lr_scheduler=opt, dataloader=opt,
                       enable=True, interval=1).save(1)
@@ -48,32 +58,84 @@ def test_exported_model_matches_in_transformers(tmp_path, variant):
 
     ours = Transformer(args)
     ours.load_state_dict(torch.load(tmp_path / "reference.pt"))
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
     hf.config._attn_implementation = "eager"
     tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = ours(tokens)
         actual = hf(tokens).logits
-    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    # without the permutation, or without rope_scaling in config.json, logits differ by > 0.05
+    torch.testing.assert_close(actual, expected, rtol=2e-5, atol=2e-5)
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "hf" / "model.safetensors")))
+    assert "model.layers.1.self_attn.q_proj.weight" in names and "model.layers.1.mlp.down_proj.weight" in names
+    assert len(names) == 2 + args.n_layers * 9 + (0 if args.tie_embeddings else 1)
+    if variant == "tied":
+        assert config["tie_word_embeddings"] is True and "lm_head.weight" not in names
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+        assert "rope_scaling" not in config and config["rope_theta"] == 500000.0
+    else:
+        assert config["tie_word_embeddings"] is False and "lm_head.weight" in names
+        assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def test_permutation_turns_interleaved_rope_into_rotate_half():
+    """Independent of transformers: HF's convention on the permuted weights gives our rotated q, k
+    with each head's features reordered (even ones first), hence the same attention scores."""
+    torch.manual_seed(0)
+    n_heads, head_dim, dim, seq = 4, 16, 32, 11
+    args = small_args(dim=n_heads * head_dim, n_heads=n_heads, n_kv_heads=n_heads,
+                      rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=16))
+    model = Transformer(args)
+    cos, sin = model.rope(torch.arange(seq))  # [1, S, 1, Dh/2]
+    w = torch.randn(n_heads * head_dim, dim)
+    x = torch.randn(1, seq, dim)
+
+    ours = apply_rope((x @ w.T).view(1, seq, n_heads, head_dim), cos, sin)
+    q = (x @ interleaved_to_halves(w, n_heads).T).view(1, seq, n_heads, head_dim)
+    cos2, sin2 = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)  # HF: emb = cat(freqs, freqs)
+    theirs = q * cos2 + _rotate_half(q) * sin2
+
+    perm = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+    torch.testing.assert_close(theirs, ours[..., perm], rtol=1e-5, atol=1e-5)
+    scores = torch.einsum("bshd,bthd->bhst", ours, ours)
+    torch.testing.assert_close(torch.einsum("bshd,bthd->bhst", theirs, theirs), scores, rtol=1e-5, atol=1e-4)
+    # without the permutation the conventions disagree
+    q_plain = (x @ w.T).view(1, seq, n_heads, head_dim)
+    assert not torch.allclose(q_plain * cos2 + _rotate_half(q_plain) * sin2, ours[..., perm], atol=1e-2)
 
 
 def test_export_script(tmp_path):
     run_distributed(_save_sharded, 2, str(tmp_path / "ckpt"), {}, "debugmodel")
 
-    def export(flavor, out):
+    def export(flavor, out):  # default --dtype bfloat16
         return subprocess.run(
             [sys.executable, "scripts/export_hf.py", "--checkpoint", str(tmp_path / "ckpt" / "step-1"),
-             "--flavor", flavor, "--output", str(tmp_path / out), "--dtype", "float32"],
-            cwd=ROOT, capture_output=True, text=True)
+             "--flavor", flavor, "--output", str(tmp_path / out)],
+            cwd=ROOT, capture_output=True, text=True, check=False)
 
     proc = export("debugmodel", "hf")
     assert proc.returncode == 0, proc.stderr
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_hidden_layers"] == 6 and config["num_key_value_heads"] == 4 and config["vocab_size"] == 264
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "bfloat16"
+    assert config["hidden_size"] == 256 and config["intermediate_size"] == 768 and config["num_attention_heads"] == 16
+    assert config["rope_theta"] == 10000.0 and "rope_scaling" not in config and config["tie_word_embeddings"] is False
     from safetensors.torch import load_file
 
     tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert len(tensors) == 2 + 1 + 6 * 9 and tensors["lm_head.weight"].shape == (264, 256)
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert tensors["model.layers.5.self_attn.k_proj.weight"].shape == (4 * 16, 256)
     # a flavor that does not match the checkpoint is refused, and nothing is written
     proc = export("debugmodel_gqa1", "hf_wrong")
     assert proc.returncode != 0 and "does not match the model arguments" in proc.stderr

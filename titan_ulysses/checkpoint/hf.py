@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -40,14 +41,21 @@ def read_model_weights(checkpoint_dir: str) -> dict[str, torch.Tensor]:
     }
     if not model:
         raise ValueError(f"{checkpoint_dir!r} holds no model weights")
-    dcp.load({"model": model}, checkpoint_id=checkpoint_dir, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": model}, checkpoint_id=checkpoint_dir, no_dist=True)
     return model
 
 
-def _interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder each head's output rows of a q/k projection from RoPE pairs ``(2i, 2i+1)`` to ``(i, i+Dh/2)``.
+
+    Per head the rows become 0, 2, 4, ..., Dh-2, then 1, 3, ..., Dh-1: HF's ``rotate_half``
+    then rotates exactly the pairs our ``apply_rope`` rotates, at the same frequencies, and
+    q.k is unchanged because q and k are permuted alike.
+    """
     rows, cols = w.shape
     head_dim = rows // n_heads
-    # per head: rows 0,2,4,... then 1,3,5,...
     return w.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
@@ -76,9 +84,9 @@ def to_hf_state_dict(weights: dict[str, torch.Tensor], args: LlamaArgs) -> dict[
         for ours, theirs in _LAYER_NAMES.items():
             w = weights[f"layers.{layer}.{ours}"]
             if ours == "attention.wq.weight":
-                w = _interleaved_to_halves(w, args.n_heads)
+                w = interleaved_to_halves(w, args.n_heads)
             elif ours == "attention.wk.weight":
-                w = _interleaved_to_halves(w, args.n_kv_heads)
+                w = interleaved_to_halves(w, args.n_kv_heads)
             out[f"model.layers.{layer}.{theirs}"] = w
     return out
 
@@ -102,6 +110,7 @@ def hf_config(args: LlamaArgs, dtype: torch.dtype, max_position_embeddings: int 
         "mlp_bias": False,
         "max_position_embeddings": max_position_embeddings,
         "torch_dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),  # the key transformers >= 4.56 reads
     }
     if args.rope_scaling is not None:
         s = args.rope_scaling
@@ -113,7 +122,9 @@ def hf_config(args: LlamaArgs, dtype: torch.dtype, max_position_embeddings: int 
     return config
 
 
-def export_hf(checkpoint_dir: str, args: LlamaArgs, output_dir: str, dtype: torch.dtype = torch.bfloat16) -> None:
+def export_hf(checkpoint_dir: str, args: LlamaArgs, output_dir: str, dtype: torch.dtype = torch.bfloat16,
+              max_position_embeddings: int = 131072) -> None:
+    """Write ``config.json`` and ``model.safetensors`` for ``transformers.LlamaForCausalLM``."""
     from safetensors.torch import save_file
 
     weights = read_model_weights(checkpoint_dir)
@@ -121,4 +132,4 @@ def export_hf(checkpoint_dir: str, args: LlamaArgs, output_dir: str, dtype: torc
     os.makedirs(output_dir, exist_ok=True)
     save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(output_dir, "config.json"), "w") as f:
-        json.dump(hf_config(args, dtype), f, indent=2)
+        json.dump(hf_config(args, dtype, max_position_embeddings), f, indent=2)

@@ -6,7 +6,12 @@ every rank's data and the metadata are on disk, so a crash or a failing save nev
 a half checkpoint that resume would pick, and never touches the last good one.
 
 What is saved: model and optimizer (sharded, FQN-keyed, so DCP reshards them to any
-layout on load), LR scheduler, data loader (its position is global), step and RNG.
+layout on load), LR scheduler, data loader (its position is global), step and rank 0's RNG.
+
+Async saves (``async`` / ``async_with_pinned_mem``) copy the state to host memory inside
+``save()`` and write it from a background thread over a dedicated gloo group; the copy
+is what gets written, so training may go on changing the parameters. At most one save is
+in flight: the next ``save()``, ``wait()``, ``load()`` or ``close()`` finishes (commits) it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -53,20 +59,30 @@ class _Optimizer(Stateful):
 
 
 class _TrainState(Stateful):
-    """Step and RNG (rank 0's generator state is restored on every rank)."""
+    """Step and RNG. Rank 0 alone saves its generator states; on load every rank gets them.
 
-    def __init__(self, step: int = 0):
-        self.step = step
+    ``keys`` is the set of ``train_state`` entries a checkpoint holds (a checkpoint written
+    without CUDA has no ``cuda_rng``); None when saving.
+    """
+
+    def __init__(self, step: int = 0, keys: set[str] | None = None):
+        self.step, self.keys = step, keys
 
     def state_dict(self):
-        state = {"step": self.step, "rng": torch.get_rng_state()}
-        if torch.cuda.is_available():
+        state = {"step": self.step}
+        saving = self.keys is None
+        if saving and dist.get_rank() != 0:
+            return state  # replicated entries would otherwise be written by whichever rank DCP picks
+        if saving or "rng" in self.keys:
+            state["rng"] = torch.get_rng_state()
+        if torch.cuda.is_available() and (saving or "cuda_rng" in self.keys):
             state["cuda_rng"] = torch.cuda.get_rng_state()
         return state
 
     def load_state_dict(self, state_dict):
         self.step = int(state_dict["step"])
-        torch.set_rng_state(state_dict["rng"])
+        if "rng" in state_dict:
+            torch.set_rng_state(state_dict["rng"])
         if "cuda_rng" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state(state_dict["cuda_rng"])
 
@@ -83,118 +99,155 @@ def complete_steps(folder: str) -> list[int]:
     return sorted(steps)
 
 
+def _check(path: str) -> None:
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(
+            f"{path!r} is not a complete checkpoint (no .metadata); point checkpoint.initial_load_path "
+            f"at a step-N folder"
+        )
+
+
 class CheckpointManager:
     def __init__(self, *, folder: str, model, optimizer, lr_scheduler, dataloader, enable: bool,
                  interval: int, async_mode: str = "disabled", keep_latest_k: int = 0):
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"checkpoint.async_mode {async_mode!r} is not one of {list(ASYNC_MODES)}")
+        if interval < 1:
+            raise ValueError(f"checkpoint.interval {interval} must be >= 1")
+        if keep_latest_k < 0:
+            raise ValueError(f"checkpoint.keep_latest_k {keep_latest_k} must be >= 0 (0 keeps all)")
         self.folder, self.enable, self.interval = folder, enable, interval
         self.async_mode, self.keep_latest_k = async_mode, keep_latest_k
         self.model, self.optimizer = model, optimizer
         self.lr_scheduler, self.dataloader = lr_scheduler, dataloader
         self.rank = dist.get_rank()
-        self._pending = None  # (future, tmp_dir, final_dir) of an async save in flight
+        self._pending = None  # (future, step) of an async save in flight
         self._last_saved = None
         self._async_pg = None
+        self._stager = None
         if enable and async_mode != "disabled":
             # Background saves coordinate over their own CPU group: sharing a group with the
-            # training loop's collectives (even a gloo one) would interleave them and deadlock.
+            # training loop's collectives (NCCL, or even gloo) would interleave them and deadlock.
             self._async_pg = dist.new_group(backend="gloo")
+        if enable and async_mode == "async_with_pinned_mem":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    def _state(self, step: int = 0, model_only: bool = False) -> dict:
+            # One stager for the whole run: its host buffers (pinned when CUDA is there) are
+            # allocated at the first save and reused, so later saves only pay the copy.
+            # Staging is synchronous; the write runs in the background.
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                use_async_staging=False, use_non_blocking_copy=False,
+            ))
+
+    # -- paths ---------------------------------------------------------------------------
+
+    def _dir(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}")
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step in this run's folder, None when there is none."""
+        steps = complete_steps(self.folder)
+        return steps[-1] if steps else None
+
+    def _state(self, step: int = 0, model_only: bool = False, train_keys: set[str] | None = None) -> dict:
         state = {"model": _Model(self.model)}
         if not model_only:
             state.update(
                 optimizer=_Optimizer(self.model, self.optimizer), lr_scheduler=self.lr_scheduler,
-                dataloader=self.dataloader, train_state=_TrainState(step),
+                dataloader=self.dataloader, train_state=_TrainState(step, train_keys),
             )
         return state
 
-    def latest_step(self) -> int | None:
-        steps = complete_steps(self.folder)
-        return steps[-1] if steps else None
+    # -- saving --------------------------------------------------------------------------
 
     def save(self, step: int, force: bool = False) -> None:
-        """Save at ``step`` if enabled and it is a save step (or ``force``)."""
-        if not self.enable or (not force and step % self.interval) or self._last_saved == step:
+        """Save at ``step`` if enabled and it is a save step (or ``force``). Collective."""
+        if not self.enable or (not force and step % self.interval):
+            return
+        if self._last_saved == step or (self._pending is not None and self._pending[1] == step):
             return
         self._finish_pending()
-        final = os.path.join(self.folder, f"step-{step}")
+        final = self._dir(step)
         if os.path.isdir(final):  # already complete (e.g. rerun after a resume): keep it
             self._last_saved = step
             return
         tmp = final + ".tmp"
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
             os.makedirs(self.folder, exist_ok=True)
+            for name in os.listdir(self.folder):  # leftovers of crashed or failed saves
+                if name.startswith("step-") and name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
         dist.barrier()
         state = self._state(step)
         if self.async_mode == "disabled":
-            dcp.save(state, checkpoint_id=tmp)
-            self._commit(tmp, final)
-        else:
-            kwargs = {}
-            if self.async_mode == "async_with_pinned_mem" and torch.cuda.is_available():
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                kwargs["async_stager"] = DefaultStager(StagingOptions(use_pinned_memory=True))
-            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._async_pg, **kwargs)
-            self._pending = (future, tmp, final)
-        self._last_saved = step
-
-    def _finish_pending(self) -> None:
-        if self._pending is None:
+            dcp.save(state, checkpoint_id=tmp)  # raises on every rank if any rank failed
+            self._commit(step)
             return
-        future, tmp, final = self._pending
-        self._pending = None
-        result = future.result()  # raises if the background save failed: nothing is committed
-        upload = getattr(result, "upload_completion", None)
-        if upload is not None:
-            upload.result()
-        # rank 0 writes .metadata last, after every rank's data: its completion means all is on disk
-        self._commit(tmp, final, barrier=False)
+        kwargs = {"async_stager": self._stager} if self._stager is not None else {}
+        result = dcp.async_save(state, checkpoint_id=tmp, process_group=self._async_pg, **kwargs)
+        # a stager staging in the background returns an AsyncSaveResponse; ours stages in place
+        future = getattr(result, "upload_completion", result)
+        self._pending = (future, step)
 
-    def _commit(self, tmp: str, final: str, barrier: bool = True) -> None:
+    def _finish_pending(self) -> bool:
+        """Wait for the save in flight and commit it; False when there was none."""
+        if self._pending is None:
+            return False
+        future, step = self._pending
+        self._pending = None
+        future.result()  # raises if the background save failed: nothing is committed
+        # rank 0's save ends by writing .metadata, after gathering every rank's write results
+        self._commit(step, barrier=False)
+        return True
+
+    def _commit(self, step: int, barrier: bool = True) -> None:
         if self.rank == 0:
-            os.rename(tmp, final)  # atomic: the checkpoint appears whole or not at all
+            final = self._dir(step)
+            os.rename(final + ".tmp", final)  # atomic: the checkpoint appears whole or not at all
             if self.keep_latest_k > 0:
                 for old in complete_steps(self.folder)[: -self.keep_latest_k]:
-                    shutil.rmtree(os.path.join(self.folder, f"step-{old}"), ignore_errors=True)
+                    shutil.rmtree(self._dir(old), ignore_errors=True)
+        self._last_saved = step
         if barrier:
             dist.barrier()
 
     def wait(self) -> None:
-        """Finish (commit) an async save in flight."""
-        self._finish_pending()
+        """Finish and commit an async save in flight (collective when one is)."""
+        if self._finish_pending():
+            dist.barrier()  # every rank now sees step-N
 
     def close(self) -> None:
-        self._finish_pending()
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    # -- loading -------------------------------------------------------------------------
 
     def load(self, step: int = -1) -> int:
         """Load the latest (or the given) complete checkpoint of this run; the step loaded, or 0."""
+        self.wait()
         if step == -1:
             step = self.latest_step()
             if step is None:
                 return 0
-        return self.load_from(os.path.join(self.folder, f"step-{step}"))
+        return self.load_from(self._dir(step))
 
     def load_from(self, path: str) -> int:
         """Load the full training state from a ``step-N`` folder (any layout); returns its step."""
-        self._check(path)
-        state = self._state()
+        _check(path)
+        keys = {
+            key.split(".", 1)[1] for key in FileSystemReader(path).read_metadata().state_dict_metadata
+            if key.startswith("train_state.")
+        }
+        state = self._state(train_keys=keys)
         dcp.load(state, checkpoint_id=path)
-        self._last_saved = state["train_state"].step
-        return state["train_state"].step
+        step = state["train_state"].step
+        self._last_saved = step
+        return step
 
     def load_model_only(self, path: str) -> None:
         """Load only the weights (start a new run from another run's model, e.g. context extension)."""
-        self._check(path)
+        _check(path)
         dcp.load(self._state(model_only=True), checkpoint_id=path)
-
-    @staticmethod
-    def _check(path: str) -> None:
-        if not os.path.isfile(os.path.join(path, ".metadata")):
-            raise FileNotFoundError(
-                f"{path!r} is not a complete checkpoint (no .metadata); point checkpoint.initial_load_path "
-                f"at a step-N folder"
-            )
