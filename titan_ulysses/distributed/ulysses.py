@@ -109,14 +109,17 @@ def head_to_seq(x: torch.Tensor, group, sp: int) -> torch.Tensor:
 
 
 class UlyssesAttention(nn.Module):
-    """Wraps any local attention ``fn(q, k, v, attention_mask) -> out`` with the Ulysses exchanges.
+    """Wraps any local attention ``fn(q, k, v, *args, **kwargs) -> out`` with the Ulysses exchanges.
 
     Inputs are the local sequence slice with all (tensor-parallel-local) heads,
     ``q: [B, S/P, Hq, D]``, ``k, v: [B, S/P, Hkv, D]``; the output is ``[B, S/P, Hq, D]``.
     Every rank of the group must hold the same number of tokens: shard sequences with
     :func:`titan_ulysses.data.sharding.shard_for_sp`, which pads S up to a multiple of P
     at the end, where causal attention keeps padding out of every real token's view.
-    ``attention_mask`` describes the full sequence (see ``ops.attention.build_attention_mask``).
+    Any further arguments (``attention_mask``, or torchtitan's ``attention_masks=``,
+    ``scale=``, ...) are passed to the local attention unchanged: a mask must describe the
+    full sequence (see ``ops.attention.build_attention_mask``), since that is what the
+    local attention sees.
     """
 
     def __init__(self, local_attention: nn.Module, sp_mesh: DeviceMesh):
@@ -127,9 +130,9 @@ class UlyssesAttention(nn.Module):
         self.sp = sp_mesh.size()
         self.group = sp_mesh.get_group()
 
-    def forward(self, q, k, v, attention_mask=None):
+    def forward(self, q, k, v, *args, **kwargs):
         if self.sp == 1:
-            return self.local_attention(q, k, v, attention_mask)
+            return self.local_attention(q, k, v, *args, **kwargs)
         rep = kv_replication_factor(q.shape[2], k.shape[2], self.sp)
         if rep > 1:
             # kv head j serves q heads of ranks j*rep ... j*rep+rep-1: after the exchange
@@ -137,7 +140,7 @@ class UlyssesAttention(nn.Module):
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
         q, k, v = seq_to_head([q, k, v], self.group, self.sp)  # [B, S, H/P, D]
-        out = self.local_attention(q, k, v, attention_mask)  # [B, S, Hq/P, D]
+        out = self.local_attention(q, k, v, *args, **kwargs)  # [B, S, Hq/P, D]
         return head_to_seq(out, self.group, self.sp)  # [B, S/P, Hq, D]
 
     def extra_repr(self) -> str:

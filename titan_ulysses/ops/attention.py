@@ -1,10 +1,11 @@
 """Local attention backends: the swap point inside every attention layer.
 
-Each backend is a module ``forward(q, k, v, attention_mask=None) -> out`` over
+Each backend is a module ``forward(q, k, v, attention_mask=None, scale=None) -> out`` over
 ``q: [B, S, Hq, D]``, ``k, v: [B, S, Hkv, D]`` (Hq a multiple of Hkv), returning
 ``[B, S, Hq, D]``. Attention is causal; ``attention_mask`` (built once per step by
 :func:`build_attention_mask` from document ids of the full sequence) adds document
-masking for packed sequences. ``None`` means plain causal attention.
+masking for packed sequences. ``None`` means plain causal attention. ``scale`` is the
+softmax scale (``None``: ``1/sqrt(D)``).
 
 * ``sdpa``: ``F.scaled_dot_product_attention``; on CUDA it dispatches to FlashAttention
   or cuDNN kernels. Document masking materialises a dense [B, 1, S, S] mask, so use it
@@ -24,13 +25,15 @@ BACKENDS = ("sdpa", "flex", "flash_attn")
 
 
 class SDPAAttention(nn.Module):
-    def forward(self, q, k, v, attention_mask=None):
+    def forward(self, q, k, v, attention_mask=None, scale=None):
         gqa = q.shape[2] != k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
         if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, scale=scale, enable_gqa=gqa
+            )
         return out.transpose(1, 2)  # [B, S, H, D]
 
 
@@ -55,7 +58,7 @@ def _flex_kernel(on_cuda: bool):
 
 
 class FlexAttention(nn.Module):
-    def forward(self, q, k, v, attention_mask=None):
+    def forward(self, q, k, v, attention_mask=None, scale=None):
         from torch.nn.attention.flex_attention import create_block_mask
 
         b, s = q.shape[:2]
@@ -63,7 +66,7 @@ class FlexAttention(nn.Module):
             attention_mask = create_block_mask(_causal, None, None, s, s, device=q.device)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
         out = _flex_kernel(q.is_cuda)(
-            q, k, v, block_mask=attention_mask, enable_gqa=q.shape[1] != k.shape[1]
+            q, k, v, block_mask=attention_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
         return out.transpose(1, 2)
 
@@ -85,15 +88,15 @@ class FlashAttnAttention(nn.Module):
         super().__init__()
         _import_flash_attn()
 
-    def forward(self, q, k, v, attention_mask=None):
+    def forward(self, q, k, v, attention_mask=None, scale=None):
         flash_attn = _import_flash_attn()
         if attention_mask is None:
-            return flash_attn.flash_attn_func(q, k, v, causal=True)  # takes [B, S, H, D]
+            return flash_attn.flash_attn_func(q, k, v, softmax_scale=scale, causal=True)  # [B, S, H, D]
         cu_seqlens, max_seqlen = attention_mask
         b, s = q.shape[:2]
         flat = [t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)]  # batch rows concatenated
         out = flash_attn.flash_attn_varlen_func(
-            *flat, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True
+            *flat, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=True
         )
         return out.reshape(b, s, *out.shape[1:])
 

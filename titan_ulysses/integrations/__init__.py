@@ -1,0 +1,1 @@
+"""Adapters that bring titan-ulysses into other training stacks (optional extras)."""
