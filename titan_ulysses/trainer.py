@@ -13,11 +13,12 @@ import torch.distributed as dist
 
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.config.job_config import JobConfig
-from titan_ulysses.config.manager import ConfigError, resolved_global_batch_size, validate
+from titan_ulysses.config.manager import ConfigError, float8_options, resolved_global_batch_size, validate
 from titan_ulysses.data.datasets import build_dataset
 from titan_ulysses.data.loader import build_dataloader
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.tokenizer import build_tokenizer
+from titan_ulysses.distributed.float8 import precompute_float8_scales
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, global_token_count, load_full_state_dict
 from titan_ulysses.metrics.comm import ulysses_bytes_per_step
@@ -134,7 +135,9 @@ class Trainer:
             param_dtype=DTYPES[t.mixed_precision_param],
             reduce_dtype=DTYPES[t.mixed_precision_reduce],
             cpu_offload=t.enable_cpu_offload,
+            float8=float8_options(config),
         )
+        self.float8 = options.float8
         self.model = parallelize_llama(model, pd, options)
         self.model.to_empty(device=self.device)
         init_weights(self.model, self.args, self.device, t.seed)
@@ -214,6 +217,7 @@ class Trainer:
             )
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
         self.optimizer.step()
+        precompute_float8_scales(self.model, self.float8)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": global_loss, "grad_norm": grad_norm.item()}

@@ -119,9 +119,13 @@ class Compile:
 @dataclass
 class Float8:
     enable: bool = False
-    """float8 matmuls through torchao (CUDA, compute capability >= 8.9)."""
+    """float8 linear layers through torchao (CUDA, compute capability >= 8.9); the output layer stays high precision."""
     recipe: str = "tensorwise"
-    """tensorwise or rowwise scaling."""
+    """tensorwise (FSDP all-gathers weights in float8) or rowwise scaling (more accurate)."""
+    emulate: bool = False
+    """Emulate the float8 matmul in high precision, on any device (tests, CPU demos); no speedup."""
+    enable_fsdp_float8_all_gather: bool = True
+    """tensorwise only: FSDP all-gathers the weights in float8, with scales precomputed after each step."""
 
 
 @dataclass

@@ -13,6 +13,7 @@ except ImportError:  # Python < 3.11
 
 from titan_ulysses.config.job_config import CHOICES, JobConfig
 from titan_ulysses.data.sharding import check_seq_len
+from titan_ulysses.distributed.float8 import Float8Options, check_float8
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import check_heads
 from titan_ulysses.models.llama.args import get_flavor
@@ -175,13 +176,22 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     if config.checkpoint.keep_latest_k < 0:
         raise ConfigError(f"checkpoint.keep_latest_k {config.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
     if config.float8.enable:
-        raise ConfigError(
-            "float8.enable: float8 training (torchao) is not implemented yet; set float8.enable = false"
-        )
+        try:
+            check_float8(float8_options(config), dims.tp)
+        except (ValueError, ImportError) as e:
+            raise ConfigError(str(e)) from e
     for key in ("loss_chunk_size", "mlp_tile_size"):
         if getattr(config.model, key) < 0:
             raise ConfigError(f"model.{key} {getattr(config.model, key)} must be >= 0 (0 turns it off)")
     return dims
+
+
+def float8_options(config: JobConfig) -> Float8Options | None:
+    """The float8 settings of ``config`` for ``parallelize_llama``; None when float8 is off."""
+    f = config.float8
+    if not f.enable:
+        return None
+    return Float8Options(recipe=f.recipe, emulate=f.emulate, fsdp_float8_all_gather=f.enable_fsdp_float8_all_gather)
 
 
 def to_dict(config: JobConfig) -> dict:

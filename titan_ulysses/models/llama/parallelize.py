@@ -1,4 +1,4 @@
-"""Lay a Llama model out on the DeviceMesh: TP -> Ulysses -> AC -> compile -> FSDP2."""
+"""Lay a Llama model out on the DeviceMesh: float8 -> TP -> Ulysses -> AC -> compile -> FSDP2."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.compile import apply_compile
+from titan_ulysses.distributed.float8 import Float8Options, apply_float8
 from titan_ulysses.distributed.fsdp import apply_fsdp
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.tensor_parallel import apply_tp
@@ -27,6 +28,8 @@ class ParallelizeOptions:
     """Dtype of the gradient reduction."""
     cpu_offload: bool = False
     """FSDP2 CPU offload of sharded parameters, gradients and optimizer state."""
+    float8: Float8Options | None = None
+    """float8 linear layers through torchao (None: off)."""
 
 
 def parallelize_llama(
@@ -39,6 +42,8 @@ def parallelize_llama(
     options = options or ParallelizeOptions()
     args = model.args
     check_heads(args.n_heads, args.n_kv_heads, parallel_dims.sp, parallel_dims.tp)
+    if options.float8 is not None:
+        apply_float8(model, options.float8)
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"))
     if parallel_dims.sp_enabled:
