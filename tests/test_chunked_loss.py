@@ -80,7 +80,7 @@ def test_tiled_mlp_matches_plain_and_saves_only_its_input():
 
 
 def test_full_offload_moves_block_inputs_through_host_memory(monkeypatch):
-    from titan_ulysses.distributed.activation_checkpoint import apply_ac
+    from titan_ulysses.distributed.activation_checkpoint import apply_ac, apply_activation_offload
     from titan_ulysses.models.llama.model import Transformer
 
     packed_shapes = []
@@ -99,6 +99,7 @@ def test_full_offload_moves_block_inputs_through_host_memory(monkeypatch):
     net = Transformer(args)
     net.load_state_dict(ref.state_dict())
     apply_ac(net, "full_offload")
+    apply_activation_offload(net)
     tokens = torch.randint(0, args.vocab_size, (1, 8))
     net(tokens, labels=tokens).backward()
     ref(tokens, labels=tokens).backward()

@@ -2,6 +2,8 @@
 
 import copy
 
+import pytest
+
 import torch
 import torch.distributed as dist
 
@@ -47,3 +49,33 @@ def _compiled_block_matches_eager():
 
 def test_compiled_ulysses_block_matches_eager():
     run_distributed(_compiled_block_matches_eager, 2)
+
+
+def _compiled_memory_switches_match_eager(ac_mode, float8):
+    """parallelize_llama with compile on, and every memory switch, against the same layout in eager."""
+    from model_harness import build_pair, clean_name, full, make_batch, parallel_step
+
+    from titan_ulysses.distributed.float8 import Float8Options
+    from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+
+    pd = ParallelDims(sp=2, world_size=dist.get_world_size())
+    pd.build_mesh("cpu")
+    args = small_args(n_kv_heads=1, mlp_tile_size=8, loss_chunk_size=8)
+    f8 = Float8Options(emulate=True) if float8 else None
+    results = []
+    for compile_ in (False, True):
+        options = ParallelizeOptions(ac_mode=ac_mode, compile=compile_, param_dtype=torch.float32, float8=f8)
+        _, model = build_pair(args, pd, options)
+        inputs, labels = make_batch(0, 2, 24, args.vocab_size)
+        loss, _ = parallel_step(model, pd, inputs, labels)
+        results.append((loss, {clean_name(n): full(p.grad) for n, p in model.named_parameters()}))
+    (e_loss, e_grads), (c_loss, c_grads) = results
+    tol = dict(rtol=1e-3, atol=1e-3) if float8 else dict(rtol=1e-4, atol=1e-5)
+    assert_close(c_loss, e_loss, "compiled loss", **tol)
+    for name, g in e_grads.items():
+        assert_close(c_grads[name], g, f"compiled grad {name}", **tol)
+
+
+@pytest.mark.parametrize("ac_mode, float8", [("full_offload", False), ("selective", True)])
+def test_compile_composes_with_tiled_mlp_chunked_loss_offload_and_float8(ac_mode, float8):
+    run_distributed(_compiled_memory_switches_match_eager, 2, ac_mode, float8)

@@ -5,12 +5,18 @@ Llama-3-8B -- and they are all alive at once in a plain forward/backward. Here t
 runs ``tile_size`` tokens at a time, keeps only its input, and in backward recomputes
 each tile and backpropagates it, so at most one tile of intermediates exists. Numerics
 equal the untiled MLP (row-wise ops only; the tiles partition the tokens).
+
+Under ``torch.compile`` the same schedule is written as one non-reentrant checkpoint per
+tile, which the compiler can trace (it cannot trace ``autograd.grad`` inside a custom
+backward): each tile's forward keeps only its slice of the input, and backward recomputes
+one tile at a time.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class _TiledFunction(torch.autograd.Function):
@@ -41,5 +47,8 @@ def tiled_apply(module: nn.Module, fn, x: torch.Tensor, tile_size: int) -> torch
     """``fn(x)`` for a row-wise ``fn`` using ``module``'s parameters, ``tile_size`` tokens (dim 1) at a time."""
     if tile_size <= 0 or x.shape[1] <= tile_size or not torch.is_grad_enabled():
         return fn(x)
+    if torch.compiler.is_compiling():
+        tiles = [checkpoint(fn, t, use_reentrant=False) for t in x.split(tile_size, dim=1)]
+        return torch.cat(tiles, dim=1)
     params = [p for p in module.parameters() if p.requires_grad]
     return _TiledFunction.apply(fn, tile_size, x, *params)

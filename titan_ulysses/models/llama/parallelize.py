@@ -1,4 +1,4 @@
-"""Lay a Llama model out on the DeviceMesh: float8 -> TP -> Ulysses -> AC -> compile -> FSDP2."""
+"""Lay a Llama model out on the DeviceMesh: float8 -> TP -> Ulysses -> AC -> compile -> offload -> FSDP2."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_ulysses.distributed.activation_checkpoint import apply_ac
+from titan_ulysses.distributed.activation_checkpoint import apply_ac, apply_activation_offload
 from titan_ulysses.distributed.compile import apply_compile
 from titan_ulysses.distributed.float8 import Float8Options, apply_float8
 from titan_ulysses.distributed.fsdp import apply_fsdp
@@ -51,6 +51,8 @@ def parallelize_llama(
     apply_ac(model, options.ac_mode)
     if options.compile:
         apply_compile(model)
+    if options.ac_mode == "full_offload":
+        apply_activation_offload(model)  # outside the compiled region
     if parallel_dims.fsdp_enabled:
         apply_fsdp(model, parallel_dims.get_mesh("fsdp"), options.param_dtype, options.reduce_dtype,
                    cpu_offload=options.cpu_offload)
