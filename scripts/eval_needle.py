@@ -1,0 +1,185 @@
+"""Passkey (needle-in-a-haystack) retrieval of a checkpoint over context lengths x needle depths.
+
+    torchrun --nproc-per-node 2 scripts/eval_needle.py --config train_configs/debug_model.toml \\
+        --checkpoint outputs/debug_model/checkpoint/step-100 \\
+        --lengths 128,256,512,1024 --depths 0,0.25,0.5,0.75,1 --output docs/figures/needle_debug_model
+
+The model is laid out exactly as the training config says (Ulysses degree, FSDP), so
+evaluation at a length needs what training at that length needs; further ``--section.key
+value`` arguments override the config (e.g. ``--parallelism.ulysses_degree 1`` to run as
+one process). Each cell holds ``--samples`` prompts: filler text with a 5-digit pass key
+at the given depth, then the question. A sample counts as retrieved when the greedy
+prediction of every answer digit (each predicted from the true prefix) is right; the
+per-digit accuracy and the mean negative log-likelihood of a digit are reported too
+(chance: 0.1 and ln 10 = 2.30). Writes ``<output>.json`` and the heatmap ``<output>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+import torch
+import torch.distributed as dist
+
+from titan_ulysses.checkpoint.manager import CheckpointManager
+from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.data.datasets import make_passkey_tokens
+from titan_ulysses.data.sharding import shard_batch
+from titan_ulysses.data.tokenizer import build_tokenizer
+from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.ops.loss import IGNORE_INDEX
+from titan_ulysses.trainer import init_distributed, model_args
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="the training config (model and layout)")
+    p.add_argument("--checkpoint", required=True, help="a step-N checkpoint folder")
+    p.add_argument("--lengths", default="128,256,512,1024", help="context lengths in tokens")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths within the filler, 0..1")
+    p.add_argument("--samples", type=int, default=8, help="prompts per cell")
+    p.add_argument("--output", default="needle", help="path prefix for .json and .png")
+    a, overrides = p.parse_known_args(argv)
+    try:
+        a.lengths = [int(x) for x in a.lengths.split(",")]
+        a.depths = [float(x) for x in a.depths.split(",")]
+    except ValueError as e:
+        raise SystemExit(f"--lengths / --depths: comma-separated numbers expected ({e})") from e
+    if any(not 0.0 <= d <= 1.0 for d in a.depths):
+        raise SystemExit(f"--depths {a.depths}: every depth must lie within [0, 1]")
+    if a.samples < 1:
+        raise SystemExit(f"--samples {a.samples} must be >= 1")
+    if not os.path.isfile(os.path.join(a.checkpoint, ".metadata")):
+        raise SystemExit(f"--checkpoint {a.checkpoint!r} is not a complete checkpoint (no .metadata): "
+                         f"point it at a step-N folder of checkpoint.folder")
+    return a, overrides
+
+
+def passkey(length: int, depth: float, i: int) -> int:
+    """Keys drawn apart from the training stream (which draws from the training seed)."""
+    return random.Random(f"needle:{length}:{depth}:{i}").randrange(10_000, 100_000)
+
+
+def build_cell(tokenizer, length: int, depth: float, n: int):
+    """Full-sequence inputs and labels ``[n, length]``; labels only on the answer digits."""
+    inputs, labels = [], []
+    for i in range(n):
+        tokens, answer_start = make_passkey_tokens(tokenizer, length, passkey(length, depth, i), depth)
+        t = torch.tensor(tokens)
+        lab = torch.full((length,), IGNORE_INDEX)
+        lab[answer_start - 1:] = t[answer_start:]  # position p predicts token p + 1
+        inputs.append(t[:-1])
+        labels.append(lab)
+    return torch.stack(inputs), torch.stack(labels)
+
+
+@torch.no_grad()
+def evaluate_cell(model, pd, tokenizer, device, length, depth, n) -> tuple[float, float, float]:
+    """(fraction of samples retrieved, fraction of answer digits right, mean NLL of a digit) for one cell."""
+    dp_mesh, sp_mesh = pd.get_mesh("dp"), pd.get_mesh("sp")
+    inputs, labels = build_cell(tokenizer, length, depth, n)
+    mine = torch.arange(n) % dp_mesh.size() == dp_mesh.get_local_rank()  # dp ranks split the samples
+    correct = torch.zeros(n, device=device)  # answer digits right, per sample
+    total = torch.zeros(n, device=device)
+    nll = torch.zeros(n, device=device)  # summed negative log-likelihood of the answer digits
+    if mine.any():
+        b = shard_batch(inputs[mine], labels[mine], sp_mesh.get_local_rank(), sp_mesh.size(),
+                        pad_token=tokenizer.pad_id)
+        logits = model(b.tokens.to(device), positions=b.positions.to(device))  # [n/dp, S/sp, V]
+        lab = b.labels.to(device)
+        hit = (logits.argmax(-1) == lab) & (lab != IGNORE_INDEX)
+        correct[mine.to(device)] = hit.sum(1).float()
+        total[mine.to(device)] = (lab != IGNORE_INDEX).sum(1).float()
+        ce = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), lab, ignore_index=IGNORE_INDEX,
+                                               reduction="none")  # [n/dp, S/sp]
+        nll[mine.to(device)] = ce.sum(1)
+    else:  # this dp rank has no sample but must join the collectives of its sp group
+        b = shard_batch(inputs[:1], labels[:1], sp_mesh.get_local_rank(), sp_mesh.size(), pad_token=tokenizer.pad_id)
+        model(b.tokens.to(device), positions=b.positions.to(device))
+    for t in (correct, total, nll):
+        dist.all_reduce(t)  # sp ranks hold different digits, dp ranks different samples
+    correct, total, nll = correct / pd.tp, total / pd.tp, nll / pd.tp  # tp ranks all hold the same logits
+    retrieved = (correct == total).float().mean().item()
+    return retrieved, (correct.sum() / total.sum()).item(), (nll.sum() / total.sum()).item()
+
+
+def draw(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    acc = torch.tensor(result["accuracy"])  # [depths, lengths]
+    fig, ax = plt.subplots(figsize=(1.4 + 1.1 * len(result["lengths"]), 1.2 + 0.6 * len(result["depths"])))
+    im = ax.imshow(acc.numpy(), cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    for (i, j), v in [((i, j), acc[i, j].item()) for i in range(acc.shape[0]) for j in range(acc.shape[1])]:
+        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=9)
+    ax.set_xticks(range(len(result["lengths"])), [str(x) for x in result["lengths"]])
+    ax.set_yticks(range(len(result["depths"])), [f"{100 * d:.0f}%" for d in result["depths"]])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    trained = result.get("trained_seq_len")
+    ax.set_title(f"passkey retrieval, {result['samples']} samples/cell\n"
+                 f"{os.path.basename(result['checkpoint'].rstrip('/'))}, trained at {trained}, layout {result['layout']}",
+                 fontsize=9)
+    fig.colorbar(im, ax=ax, label="retrieved")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    a, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        config = load_config(["--config", a.config, *overrides])
+        pd = validate(config, world)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from e
+    tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path)
+    for length in a.lengths:  # refuse a too-short length before any process group
+        try:
+            make_passkey_tokens(tokenizer, length, 10_000, 0.5)
+        except ValueError as e:
+            raise SystemExit(f"--lengths: {length} is too short for a passkey prompt ({e})") from e
+    device = init_distributed()
+    pd.build_mesh(device.type)
+    args = model_args(config, tokenizer.vocab_size)
+    with torch.device("meta"):
+        model = Transformer(args)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    parallelize_llama(model, pd, ParallelizeOptions(param_dtype=dtype))
+    model.to_empty(device=device)
+    model.init_buffers(device)
+    CheckpointManager(folder=os.path.dirname(a.checkpoint), model=model, optimizer=None, lr_scheduler=None,
+                      dataloader=None, enable=False, interval=1).load_model_only(a.checkpoint)
+    model.eval()
+    grid = [[evaluate_cell(model, pd, tokenizer, device, length, depth, a.samples) for length in a.lengths]
+            for depth in a.depths]
+    result = {
+        "checkpoint": a.checkpoint, "config": a.config, "overrides": overrides, "layout": pd.degrees,
+        "trained_seq_len": config.training.seq_len, "lengths": a.lengths, "depths": a.depths, "samples": a.samples,
+        "accuracy": [[cell[0] for cell in row] for row in grid],
+        "digit_accuracy": [[cell[1] for cell in row] for row in grid],
+        "digit_nll": [[cell[2] for cell in row] for row in grid],
+    }
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
+        with open(a.output + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+        draw(result, a.output + ".png")
+        print(f"{'depth':>6} " + " ".join(f"{n:>7}" for n in a.lengths))
+        for depth, row in zip(a.depths, result["accuracy"]):
+            print(f"{100 * depth:5.0f}% " + " ".join(f"{v:7.2f}" for v in row))
+        print(f"wrote {a.output}.json and {a.output}.png")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""eval_needle on a checkpoint written by the trainer: the same numbers at sp=2 as in one process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "train_configs", "debug_model.toml")
+
+
+def _run(args, nproc=None):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] \
+        if nproc else [sys.executable]
+    proc = subprocess.run([*launcher, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("run")
+    _run(["train.py", "--config", CONFIG, "--training.steps", "2", "--training.seq_len", "128",
+          "--checkpoint.interval", "2", "--job.dump_folder", str(dump)], nproc=2)
+    return os.path.join(dump, "checkpoint", "step-2")
+
+
+def test_ulysses_evaluation_equals_one_process(checkpoint, tmp_path):
+    grid = ["--lengths", "112,160", "--depths", "0,1", "--samples", "3"]
+    script = os.path.join("scripts", "eval_needle.py")
+    _run([script, "--config", CONFIG, "--checkpoint", checkpoint, *grid, "--output", str(tmp_path / "sp2")], nproc=2)
+    _run([script, "--config", CONFIG, "--checkpoint", checkpoint, *grid, "--output", str(tmp_path / "one"),
+          "--parallelism.ulysses_degree", "1"])
+    sp2, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("sp2", "one"))
+    assert sp2["layout"]["sp"] == 2 and one["layout"]["sp"] == 1
+    assert sp2["lengths"] == [112, 160] and sp2["depths"] == [0.0, 1.0]
+    assert sp2["accuracy"] == one["accuracy"] and sp2["digit_accuracy"] == one["digit_accuracy"]
+    for row2, row1 in zip(sp2["digit_nll"], one["digit_nll"]):
+        for a, b in zip(row2, row1):
+            assert abs(a - b) <= 1e-4 * b and 0.5 < b < 20  # a 2-step model is far from retrieval
+    assert (tmp_path / "sp2.png").stat().st_size > 10_000  # the heatmap was drawn
+
+
+def test_bad_depth_and_checkpoint_are_refused_by_name(checkpoint):
+    script = os.path.join(ROOT, "scripts", "eval_needle.py")
+    for extra, message in ((["--checkpoint", checkpoint, "--depths", "0,1.5"], "every depth must lie within [0, 1]"),
+                           (["--checkpoint", os.path.dirname(checkpoint)], "is not a complete checkpoint"),
+                           (["--checkpoint", checkpoint, "--lengths", "64", "--parallelism.ulysses_degree", "1"],
+                            "--lengths: 64 is too short")):
+        proc = subprocess.run([sys.executable, script, "--config", CONFIG, *extra], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-1000:]
