@@ -1,0 +1,177 @@
+"""Per-device memory of a training config, the longest sequence that fits, and a layout that fits.
+
+    python scripts/estimate_memory.py --config train_configs/llama3_8b_128k.toml --world-size 8
+    python scripts/estimate_memory.py --config train_configs/llama3_8b_128k.toml --world-size 8 \\
+        --training.seq_len 1048576 --device-memory-gib 80
+    python scripts/estimate_memory.py --config train_configs/debug_model.toml --world-size 1 \\
+        --parallelism.ulysses_degree 1 --validate
+
+The model of what is kept is in ``titan_ulysses/metrics/memory_estimate.py``. The
+recommendation tries the Ulysses degrees the heads allow (smallest first) and adds memory
+switches in the order of the user guide until the estimate fits in 90% of the device
+(the rest: CUDA context, NCCL, fragmentation). ``--validate`` runs one real step and
+compares: on CUDA the whole peak (``torch.cuda.max_memory_allocated``, one process; in fake
+mode for a world size above 1) -- not yet run on a GPU; on CPU the saved activations,
+counted through autograd's saved-tensor hooks (single process, sp = 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.distributed.ulysses import check_heads
+from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate, largest_seq_len
+from titan_ulysses.trainer import model_args
+
+SWITCH_ORDER = [  # (override, Switches change), cumulative, as in docs/guide.md section 3
+    ("--model.loss_chunk_size 8192", {"loss_chunk_size": 8192}),
+    ("--model.mlp_tile_size 8192", {"mlp_tile_size": 8192}),
+    ("--activation_checkpoint.mode selective", {"ac_mode": "selective"}),
+    ("--activation_checkpoint.mode full", {"ac_mode": "full"}),
+    ("--activation_checkpoint.mode full_offload", {"ac_mode": "full_offload"}),
+    ("--training.enable_cpu_offload true", {"cpu_offload": True}),
+]
+
+
+def from_config(config, dims):
+    args = model_args(config, 0)
+    t = config.training
+    switches = Switches(
+        ac_mode=config.activation_checkpoint.mode, loss_chunk_size=args.loss_chunk_size,
+        mlp_tile_size=args.mlp_tile_size, cpu_offload=t.enable_cpu_offload,
+        act_bytes=2 if t.mixed_precision_param == "bfloat16" else 4,
+    )
+    return args, Layout(dp_shard=dims.size("dp_shard"), sp=dims.sp, tp=dims.tp), switches
+
+
+def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, budget):
+    """The first (sp, switches) that fits ``budget`` bytes: (sp, overrides, estimate) or None."""
+    for sp in [s for s in range(1, world // layout.tp + 1) if (world // layout.tp) % s == 0 and seq_len % s == 0]:
+        try:
+            check_heads(args.n_heads, args.n_kv_heads, sp, layout.tp)
+        except ValueError:
+            continue
+        trial = Layout(dp_shard=world // (sp * layout.tp), sp=sp, tp=layout.tp)
+        sw, overrides = switches, {}
+        for i in range(len(SWITCH_ORDER) + 1):
+            if i:
+                flag, change = SWITCH_ORDER[i - 1]
+                sw = dataclasses.replace(sw, **change)
+                overrides[flag.split()[0]] = flag  # a later AC mode replaces an earlier one
+            est = estimate(args, trial, sw, seq_len, batch)
+            if est.total <= budget:
+                return sp, [f"--parallelism.ulysses_degree {sp}", *overrides.values()], est
+    return None
+
+
+def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int) -> float:
+    """Bytes autograd keeps for backward in one forward of the model on CPU (parameters excluded)."""
+    import torch
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from titan_ulysses.distributed.activation_checkpoint import apply_ac
+    from titan_ulysses.models.llama.model import Transformer
+
+    if switches.ac_mode == "selective":
+        raise SystemExit("--validate on CPU measures through saved-tensor hooks, which selective AC bypasses; "
+                         "use activation_checkpoint.mode none, full or full_offload")
+    dtype = torch.float32 if switches.act_bytes == 4 else torch.bfloat16
+    model = Transformer(args).to(dtype)
+    apply_ac(model, "full" if switches.ac_mode == "full_offload" else switches.ac_mode)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        t = getattr(t, "elem", t)  # a functional collective's result wraps its tensor
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, args.vocab_size, (batch, seq_len))
+    with saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, labels=tokens)
+    return float(sum(seen.values()))
+
+
+def measure_cuda_peak(argv: list[str], world: int) -> float:
+    """Peak allocated bytes of one training step on this GPU (fake process group for world > 1)."""
+    import torch
+
+    from titan_ulysses.trainer import Trainer
+
+    extra = ["--comm.mode", "fake", "--comm.fake_world_size", str(world)] if world > 1 else []
+    trainer = Trainer(load_config([*argv, *extra, "--checkpoint.enable", "false"]))
+    torch.cuda.reset_peak_memory_stats()
+    trainer.train_step(iter(trainer.dataloader))
+    return float(torch.cuda.max_memory_allocated())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--world-size", type=int, required=True, help="number of GPUs of the job")
+    p.add_argument("--device-memory-gib", type=float, default=80.0, help="memory of one device (H100: 80)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--validate", action="store_true", help="also run one step and compare (see above)")
+    a, overrides = p.parse_known_args(argv)
+    config_argv = ["--config", a.config, *overrides]
+    try:
+        config = load_config(config_argv)
+        dims = validate(config, a.world_size)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from e
+    args, layout, switches = from_config(config, dims)
+    t = config.training
+    est = estimate(args, layout, switches, t.seq_len, t.local_batch_size)
+    device = a.device_memory_gib * GIB
+    longest = largest_seq_len(args, layout, switches, 0.9 * device, t.local_batch_size)
+    rec = recommend(args, layout, switches, t.seq_len, t.local_batch_size, a.world_size, 0.9 * device)
+    result = {"config": a.config, "overrides": overrides, "world_size": a.world_size, "layout": dataclasses.asdict(layout),
+              "seq_len": t.seq_len, "local_batch_size": t.local_batch_size, "switches": dataclasses.asdict(switches),
+              "bytes": est.as_dict(), "largest_seq_len": longest,
+              "recommendation": None if rec is None else {"ulysses_degree": rec[0], "overrides": rec[1],
+                                                          "total_gib": rec[2].total / GIB}}
+    if a.validate:
+        import torch
+
+        if torch.cuda.is_available():
+            measured, what = measure_cuda_peak(config_argv, a.world_size), "peak memory (CUDA)"
+            compared = est.total
+        else:
+            if layout.sp != 1:
+                raise SystemExit("--validate on CPU runs one process: add --parallelism.ulysses_degree 1")
+            measured, what = measure_saved_activations(args, switches, t.seq_len, t.local_batch_size), \
+                "saved activations (CPU)"
+            logits = 0 if switches.loss_chunk_size else t.local_batch_size * t.seq_len * args.vocab_size * (
+                switches.act_bytes + 4)
+            compared = est.saved_activations + logits
+        result["validation"] = {"what": what, "estimated": compared, "measured": measured,
+                                "error_pct": 100 * (compared - measured) / measured}
+    if a.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"{a.config}: {args.num_params() / 1e9:.2f}B params, seq_len {t.seq_len} x local batch {t.local_batch_size}, "
+          f"world {a.world_size} = dp_shard {layout.dp_shard} x sp {layout.sp} x tp {layout.tp}, "
+          f"AC {switches.ac_mode}, loss chunk {switches.loss_chunk_size}, MLP tile {switches.mlp_tile_size}, "
+          f"{'bf16' if switches.act_bytes == 2 else 'fp32'} compute")
+    for key, value in est.as_dict().items():
+        print(f"  {key:<26} {value / GIB:10.2f} GiB")
+    print(f"largest seq_len fitting 90% of {a.device_memory_gib:g} GiB with this layout and switches: {longest}")
+    if rec is None:
+        print(f"no ulysses_degree within {a.world_size} GPUs and no switch makes seq_len {t.seq_len} fit")
+    else:
+        print(f"recommended: {' '.join(rec[1])}  ({rec[2].total / GIB:.1f} GiB)")
+    if "validation" in result:
+        v = result["validation"]
+        print(f"validation, {v['what']}: estimated {v['estimated'] / GIB:.4f} GiB, measured {v['measured'] / GIB:.4f} GiB, "
+              f"error {v['error_pct']:+.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The memory estimate against what a real step keeps, and the estimator script's answers.
+
+What CPU can measure exactly is what autograd saves for backward (counted by storage
+through saved-tensor hooks) and the size of each rank's parameter shards; both are
+compared with the estimate at sp=1 and, on two gloo ranks, at sp=2. The whole-step peak
+is compared on CUDA by ``scripts/estimate_memory.py --validate``.
+"""
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
+
+from dist_utils import run_distributed
+from titan_ulysses.distributed.activation_checkpoint import apply_ac
+from titan_ulysses.distributed.parallel_dims import ParallelDims
+from titan_ulysses.distributed.ulysses import apply_ulysses
+from titan_ulysses.metrics.memory_estimate import Layout, Switches, estimate
+from titan_ulysses.models.llama.args import get_flavor
+from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import estimate_memory  # noqa: E402
+
+SEQ = 512
+
+
+def saved_bytes(model, tokens, positions=None) -> int:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        t = getattr(t, "elem", t)  # a functional collective's result wraps its tensor
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, positions=positions, labels=tokens)
+    return sum(seen.values())
+
+
+def expected_saved(args, layout, switches, tokens_per_rank) -> float:
+    est = estimate(args, layout, switches, tokens_per_rank * layout.sp)
+    logits = 0 if switches.loss_chunk_size else tokens_per_rank * args.vocab_size * (switches.act_bytes + 4)
+    return est.saved_activations + logits
+
+
+CASES = {
+    "plain": ({}, "none"),
+    "ac_full": ({}, "full"),
+    "tiled_mlp": ({"mlp_tile_size": 64}, "none"),
+    "chunked_loss": ({"loss_chunk_size": 64}, "none"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_saved_activations_match_the_estimate(case):
+    overrides, ac = CASES[case]
+    args = get_flavor("debugmodel", **overrides)
+    model = Transformer(args)
+    apply_ac(model, ac)
+    measured = saved_bytes(model, torch.randint(0, args.vocab_size, (1, SEQ)))
+    expected = expected_saved(args, Layout(), Switches(ac_mode=ac, act_bytes=4, **overrides), SEQ)
+    assert abs(expected - measured) / measured < 0.05, (expected, measured)
+
+
+def _sp2_matches():
+    pd = ParallelDims(sp=2, world_size=dist.get_world_size())
+    pd.build_mesh("cpu")
+    args = get_flavor("debugmodel_gqa1")  # one kv head, replicated to both ranks
+    model = Transformer(args)
+    apply_ulysses(model, pd.get_mesh("sp"))
+    rank = pd.get_mesh("sp").get_local_rank()
+    tokens = torch.randint(0, args.vocab_size, (1, SEQ // 2))
+    measured = saved_bytes(model, tokens, torch.arange(rank * SEQ // 2, (rank + 1) * SEQ // 2))
+    expected = expected_saved(args, Layout(sp=2), Switches(act_bytes=4), SEQ // 2)
+    assert abs(expected - measured) / measured < 0.05, (expected, measured)
+    # the parameter shards FSDP leaves on this rank, against the estimate's parameter term
+    with torch.device("meta"):
+        sharded = Transformer(args)
+    parallelize_llama(sharded, pd, ParallelizeOptions(param_dtype=torch.float32))
+    local = sum(p.to_local().numel() * 4 for p in sharded.parameters())
+    est = estimate(args, Layout(sp=2), Switches(act_bytes=4), SEQ)
+    assert abs(est.parameters - local) / local < 0.01, (est.parameters, local)
+
+
+def test_sp2_saved_activations_and_parameter_shards_match_the_estimate():
+    run_distributed(_sp2_matches, 2)
+
+
+def test_each_switch_moves_its_term():
+    args = get_flavor("8B")
+    base = Switches()
+    plain = estimate(args, Layout(sp=8), base, 131072)
+    assert estimate(args, Layout(sp=8), dataclasses.replace(base, ac_mode="full"), 131072).saved_activations \
+        < plain.saved_activations / 5
+    assert estimate(args, Layout(sp=8), dataclasses.replace(base, loss_chunk_size=2048), 131072).logits \
+        == pytest.approx(plain.logits / 8)
+    assert estimate(args, Layout(sp=8), dataclasses.replace(base, mlp_tile_size=2048), 131072).mlp_working_set \
+        == pytest.approx(plain.mlp_working_set / 8)
+    half = estimate(args, Layout(sp=16), base, 131072)
+    assert half.saved_activations == pytest.approx(plain.saved_activations / 2, rel=0.02)
+    offload = estimate(args, Layout(sp=8), dataclasses.replace(base, cpu_offload=True), 131072)
+    assert offload.parameters == offload.gradients == offload.optimizer == 0
+    assert offload.host_offloaded == pytest.approx(plain.parameters + plain.gradients + plain.optimizer)
+
+
+def test_script_recommends_a_valid_layout_and_refuses_bad_input(capsys):
+    estimate_memory.main(["--config", "train_configs/llama3_8b_128k.toml", "--world-size", "8",
+                          "--training.seq_len", "1048576"])
+    out = capsys.readouterr().out
+    assert "largest seq_len fitting 90% of 80 GiB" in out
+    line = [ln for ln in out.splitlines() if ln.startswith("recommended:")][0]
+    degree = int(line.split("--parallelism.ulysses_degree ")[1].split()[0])
+    assert degree in (1, 2, 4, 8)
+    with pytest.raises(SystemExit, match="seq_len 1001 is not divisible by ulysses_degree 8"):
+        estimate_memory.main(["--config", "train_configs/llama3_8b_128k.toml", "--world-size", "8",
+                              "--training.seq_len", "1001"])
