@@ -143,7 +143,7 @@ def main(argv=None) -> int:
                              fraction_of_matmul=tflops / peak, matmul_tflops=peak))
             print(f"{backend:>14} S={s:>7}: {sec * 1e3:9.2f} ms fwd+bwd  {tflops:8.3f} TFLOP/s  "
                   f"{100 * tflops / peak:5.1f}% of matmul")
-            del q, k, v, grad
+            q = k = v = grad = None  # free before the next length allocates
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

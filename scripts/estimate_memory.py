@@ -68,20 +68,10 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
     return None
 
 
-def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int) -> float:
-    """Bytes autograd keeps for backward in one forward of the model on CPU (parameters excluded)."""
-    import torch
+def saved_bytes(model, tokens, positions=None) -> int:
+    """Bytes autograd keeps for backward in ``model(tokens, labels=tokens)``, parameters excluded."""
     from torch.autograd.graph import saved_tensors_hooks
 
-    from titan_ulysses.distributed.activation_checkpoint import apply_ac
-    from titan_ulysses.models.llama.model import Transformer
-
-    if switches.ac_mode == "selective":
-        raise SystemExit("--validate on CPU measures through saved-tensor hooks, which selective AC bypasses; "
-                         "use activation_checkpoint.mode none, full or full_offload")
-    dtype = torch.float32 if switches.act_bytes == 4 else torch.bfloat16
-    model = Transformer(args).to(dtype)
-    apply_ac(model, "full" if switches.ac_mode == "full_offload" else switches.ac_mode)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -92,10 +82,25 @@ def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    tokens = torch.randint(0, args.vocab_size, (batch, seq_len))
     with saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, labels=tokens)
-    return float(sum(seen.values()))
+        model(tokens, positions=positions, labels=tokens)
+    return sum(seen.values())
+
+
+def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int) -> float:
+    """What one forward of the model on CPU keeps for backward (the estimate's saved terms)."""
+    import torch
+
+    from titan_ulysses.distributed.activation_checkpoint import apply_ac
+    from titan_ulysses.models.llama.model import Transformer
+
+    if switches.ac_mode == "selective":
+        raise SystemExit("--validate on CPU measures through saved-tensor hooks, which selective AC bypasses; "
+                         "use activation_checkpoint.mode none, full or full_offload")
+    dtype = torch.float32 if switches.act_bytes == 4 else torch.bfloat16
+    model = Transformer(args).to(dtype)
+    apply_ac(model, "full" if switches.ac_mode == "full_offload" else switches.ac_mode)
+    return float(saved_bytes(model, torch.randint(0, args.vocab_size, (batch, seq_len))))
 
 
 def measure_cuda_peak(argv: list[str], world: int) -> float:

@@ -13,7 +13,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from torch.autograd.graph import saved_tensors_hooks
 
 from dist_utils import run_distributed
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
@@ -26,24 +25,9 @@ from titan_ulysses.models.llama.parallelize import ParallelizeOptions, paralleli
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import estimate_memory  # noqa: E402
+from estimate_memory import saved_bytes  # noqa: E402
 
 SEQ = 512
-
-
-def saved_bytes(model, tokens, positions=None) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        t = getattr(t, "elem", t)  # a functional collective's result wraps its tensor
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, positions=positions, labels=tokens)
-    return sum(seen.values())
 
 
 def expected_saved(args, layout, switches, tokens_per_rank) -> float:
