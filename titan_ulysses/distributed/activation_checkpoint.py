@@ -5,12 +5,8 @@
   kernels and collectives, recompute the cheap elementwise work (norms, RoPE, SiLU) --
   so backward neither redoes an all-to-all nor an attention forward.
 * ``full_offload``: ``full``, and the one tensor each block still keeps (its input,
-  ``[B, S/sp, D]``) goes to host memory (pinned on CUDA) until backward needs it. At 1M
-  tokens with sp=8, Llama-3-8B keeps 32 x 1 GiB of block inputs in bf16; this moves them
-  off the GPU. The copies are synchronous (not yet overlapped with compute).
-  ``apply_ac`` checkpoints the block; :func:`apply_activation_offload` adds the host
-  offload as hooks on the outermost block module, after ``apply_compile``, because
-  ``save_on_cpu`` cannot be traced into a compiled graph.
+  ``[B, S/sp, D]``) goes to pinned host memory until backward needs it, the copies
+  overlapped with compute on CUDA: see ``activation_offload.py``.
 """
 
 from __future__ import annotations
@@ -23,29 +19,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 AC_MODES = ("none", "full", "selective", "full_offload")
-
-
-def _offload_enter(module, args):
-    module._offload_ctx = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
-    module._offload_ctx.__enter__()
-
-
-def _offload_exit(module, args, output):
-    ctx = module.__dict__.pop("_offload_ctx", None)
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
-
-
-def apply_activation_offload(model: nn.Module) -> None:
-    """Send what each block saves for backward to host memory (``full_offload``).
-
-    Call it after ``apply_ac(model, "full_offload")`` and after ``apply_compile``: the hooks
-    sit on the outermost module of each block, outside any compiled region. Backward's
-    recomputation does not go through them, so only the block inputs travel.
-    """
-    for block in model.layers.children():
-        block.register_forward_pre_hook(_offload_enter)
-        block.register_forward_hook(_offload_exit, always_call=True)
 
 
 # Ops whose outputs selective AC keeps; looked up by name, since the set of attention
@@ -88,7 +61,7 @@ def apply_ac(model: nn.Module, mode: str) -> None:
     if mode == "none":
         return
     for name, block in model.layers.named_children():
-        if mode in ("full", "full_offload"):  # full_offload: see apply_activation_offload
+        if mode in ("full", "full_offload"):  # full_offload: plus activation_offload.py
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         else:
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_context)

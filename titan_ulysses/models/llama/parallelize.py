@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_ulysses.distributed.activation_checkpoint import apply_ac, apply_activation_offload
+from titan_ulysses.distributed.activation_checkpoint import apply_ac
+from titan_ulysses.distributed.activation_offload import apply_activation_offload
 from titan_ulysses.distributed.compile import apply_compile
 from titan_ulysses.distributed.float8 import Float8Options, apply_float8
 from titan_ulysses.distributed.fsdp import apply_fsdp

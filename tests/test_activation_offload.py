@@ -1,0 +1,96 @@
+"""full_offload: each block's saved input goes to host memory and comes back, one block ahead.
+
+On CPU there is no host memory to move to, so these tests declare CPU tensors offloadable:
+the copies, the per-block grouping and the prefetch order then run as they do on CUDA
+(where the copies are issued on a side stream), and the gradients must not change.
+"""
+
+import torch
+from torch import nn
+
+from model_harness import small_args
+from titan_ulysses.distributed.activation_checkpoint import apply_ac
+from titan_ulysses.distributed.activation_offload import apply_activation_offload
+from titan_ulysses.models.llama.model import Transformer
+
+
+def _offload_on_cpu(offloader, min_numel):
+    """Treat CPU tensors of at least ``min_numel`` elements as device tensors; record what moves."""
+    moved = []
+    to_host = offloader._to_host
+
+    def recording_to_host(t):
+        host = to_host(t)
+        assert host.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()  # a real copy
+        moved.append(tuple(t.shape))
+        return host
+
+    offloader.offloadable = lambda t: t.numel() >= min_numel
+    offloader._to_host = recording_to_host
+    return moved
+
+
+def test_block_inputs_travel_to_host_and_back_one_block_ahead():
+    args = small_args(n_layers=4)
+    torch.manual_seed(0)
+    ref = Transformer(args)
+    ref.init_weights()
+    net = Transformer(args)
+    net.load_state_dict(ref.state_dict())
+    apply_ac(net, "full_offload")
+    offloader = apply_activation_offload(net)
+    moved = _offload_on_cpu(offloader, min_numel=2 * 8 * args.dim)
+    groups = []
+    for block in net.layers.children():  # runs after the offloader's pre-hook: its new group
+        block.register_forward_pre_hook(lambda m, a: groups.append(offloader._last))
+
+    tokens = torch.randint(0, args.vocab_size, (2, 8))
+    loss = net(tokens, labels=tokens)
+    assert moved == [(2, 8, args.dim)] * args.n_layers  # each block's input, nothing else
+    assert [len(g.entries) for g in groups] == [1] * args.n_layers
+    assert not any(g.loaded for g in groups)  # nothing comes back before backward
+    loss.backward()
+    ref(tokens, labels=tokens).backward()
+    # backward met the last block first; every earlier one was already on its way back
+    assert [g.loaded for g in groups] == [True] * args.n_layers
+    assert [g.prefetched for g in groups] == [True] * (args.n_layers - 1) + [False]
+    assert all(e.host is None for g in groups for e in g.entries)  # host buffers released
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in net.named_parameters()}
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=0, atol=0)
+
+
+class _Scale(nn.Module):
+    def forward(self, x, table):
+        return x * table  # saves both x and the table
+
+
+class _Stack(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): _Scale() for i in range(n)})
+
+    def forward(self, x, table):
+        for layer in self.layers.values():
+            x = layer(x, table)
+        return x
+
+
+def test_a_tensor_every_block_saves_travels_once():
+    net = _Stack(3)
+    offloader = apply_activation_offload(net)
+    moved = _offload_on_cpu(offloader, min_numel=16)
+    table = torch.randn(4, 16, requires_grad=True)
+    x = torch.randn(4, 16, requires_grad=True)
+    out = net(x, table)
+    # block 0 sends x and the table; blocks 1, 2 only their input: the table stays put
+    assert moved == [(4, 16)] * 4
+    out.sum().backward()
+    t, xx = table.detach().requires_grad_(), x.detach().requires_grad_()
+    (xx * t * t * t).sum().backward()
+    torch.testing.assert_close(table.grad, t.grad)
+    torch.testing.assert_close(x.grad, xx.grad)
+    # a second forward starts afresh (no entry of the first is reused)
+    moved.clear()
+    net(x, table).sum().backward()
+    assert moved == [(4, 16)] * 4
