@@ -85,3 +85,31 @@ def test_cu_seqlens_never_spans_rows():
     cu, longest = cu_seqlens_from_document_ids(doc)
     assert cu.tolist() == [0, 2, 5, 8, 10] and cu.dtype == torch.int32
     assert longest == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_the_fp32_reference_and_keeps_only_its_input(dtype):
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from titan_ulysses.ops.norm import rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 32, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(32)).to(dtype).requires_grad_()
+    g = torch.randn(2, 7, 32, dtype=dtype)
+    ref = torch.nn.functional.rms_norm(x.float(), (32,), w.float(), 1e-5).to(dtype)
+    ref_grads = torch.autograd.grad(ref, (x, w), g)
+    saved = []
+    with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = rms_norm(x, w, 1e-5)
+    grads = torch.autograd.grad(out, (x, w), g)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, **tol)
+    # x as it came (no fp32 copy in bf16), the weight, one fp32 scale per token
+    assert [(t.shape, t.dtype) for t in saved] == [(x.shape, dtype), (w.shape, dtype), ((2, 7, 1), torch.float32)]
+    assert saved[0] is x or saved[0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-5),
+                                    (torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True),
+                                     torch.randn(8, dtype=torch.float64, requires_grad=True)))

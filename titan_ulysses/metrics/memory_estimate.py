@@ -8,12 +8,13 @@ V vocabulary; N layers.
 What autograd keeps per layer and local token without activation checkpointing, read off
 ``models/llama/model.py`` (bytes):
 
-* RMSNorm x2: its fp32 input, ``4D`` each (``F.rms_norm`` on ``x.float()``);
+* RMSNorm x2: its input and one fp32 scale per token, ``aD + 4`` each (``ops/norm.py``);
 * the q/k/v projections' input (the norm output): ``aD``;
-* RoPE on q and k: their fp32 copies, ``4q + 4kv``;
+* RoPE on q and k: nothing per layer (its cos/sin tables are shared by all layers);
 * attention: q, k, v of the whole sequence and my heads -- one all-to-all buffer,
   ``a(q + 2 r kv)`` -- its output ``aq`` and logsumexp ``4 Hq/tp``;
-* the output projection's input (after the return all-to-all): ``aq``;
+* the output projection's input: ``aq`` after the return all-to-all (sp > 1); without
+  Ulysses it is a view of the attention output, already counted;
 * the MLP: its input ``aD``, w1 and w3 outputs, SiLU output and their product: ``4aF``
   (tiled MLP: the input only).
 
@@ -104,7 +105,11 @@ def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: st
     if mode == "selective":
         return a * (q + 2 * kv) + 2 * a * d + (0 if s.mlp_tile_size else 2 * a * f) + attention + a * q + a * d
     mlp = a * d + (0 if s.mlp_tile_size else 4 * a * f)
-    return 8 * d + a * d + 4 * q + 4 * kv + attention + a * q + mlp
+    norms = 2 * (a * d + 4)
+    # the output projection's input: its own buffer after the return all-to-all; without
+    # Ulysses a view of the attention output (kernels write it [B, S, H, Dh]), counted above
+    wo_input = a * q if layout.sp > 1 else 0
+    return norms + a * d + attention + wo_input + mlp
 
 
 def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1) -> Estimate:
@@ -122,7 +127,7 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
         states = dict.fromkeys(states, 0.0)
     working = 2 * block * (a + 4) + other * a
     per_layer = layer_bytes_per_token(args, layout, s, s.ac_mode)
-    saved = args.n_layers * per_layer * tokens + tokens * (8 + 4 * d + a * d)  # + token ids, final norm, its output
+    saved = args.n_layers * per_layer * tokens + tokens * (8 + (a * d + 4) + a * d)  # + token ids, final norm, its output
     if s.ac_mode == "full_offload":
         host += args.n_layers * a * d * tokens
     recompute = 0.0 if s.ac_mode == "none" else layer_bytes_per_token(args, layout, s, "none") * tokens

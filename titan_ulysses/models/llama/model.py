@@ -19,6 +19,7 @@ from torch import nn
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
 from titan_ulysses.ops.attention import build_attention
 from titan_ulysses.ops.loss import linear_cross_entropy_sum
+from titan_ulysses.ops.norm import rms_norm
 from titan_ulysses.ops.tiled import tiled_apply
 
 
@@ -55,8 +56,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+    def forward(self, x):  # computed in fp32; keeps x and one fp32 scale per token (ops/norm.py)
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self):
         nn.init.ones_(self.weight)
