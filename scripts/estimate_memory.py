@@ -9,7 +9,8 @@
 The model of what is kept is in ``titan_ulysses/metrics/memory_estimate.py``. The
 recommendation tries the Ulysses degrees the heads allow (smallest first) and adds memory
 switches in the order of the user guide until the estimate fits in 90% of the device
-(the rest: CUDA context, NCCL, fragmentation). ``--validate`` runs one real step and
+(the rest: CUDA context, NCCL, fragmentation); FSDP CPU offload comes in only where no
+degree fits without it. ``--validate`` runs one real step and
 compares: on CUDA the whole peak (``torch.cuda.max_memory_allocated``, one process; in fake
 mode for a world size above 1) -- not yet run on a GPU; on CPU the saved activations,
 counted through autograd's saved-tensor hooks (single process, sp = 1).
@@ -49,22 +50,31 @@ def from_config(config, dims):
 
 
 def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, budget):
-    """The first (sp, switches) that fits ``budget`` bytes: (sp, overrides, estimate) or None."""
+    """The first (sp, switches) that fits ``budget`` bytes: (sp, overrides, estimate) or None.
+
+    FSDP CPU offload (the last switch) moves every parameter over PCIe each step, which
+    costs far more than a larger Ulysses degree inside a node: it is tried only when no
+    degree fits without it.
+    """
+    degrees = []
     for sp in [s for s in range(1, world // layout.tp + 1) if (world // layout.tp) % s == 0 and seq_len % s == 0]:
         try:
             check_heads(args.n_heads, args.n_kv_heads, sp, layout.tp)
+            degrees.append(sp)
         except ValueError:
             continue
-        trial = Layout(dp_shard=world // (sp * layout.tp), sp=sp, tp=layout.tp)
-        sw, overrides = switches, {}
-        for i in range(len(SWITCH_ORDER) + 1):
-            if i:
-                flag, change = SWITCH_ORDER[i - 1]
-                sw = dataclasses.replace(sw, **change)
-                overrides[flag.split()[0]] = flag  # a later AC mode replaces an earlier one
-            est = estimate(args, trial, sw, seq_len, batch)
-            if est.total <= budget:
-                return sp, [f"--parallelism.ulysses_degree {sp}", *overrides.values()], est
+    for order in (SWITCH_ORDER[:-1], SWITCH_ORDER):
+        for sp in degrees:
+            trial = Layout(dp_shard=world // (sp * layout.tp), sp=sp, tp=layout.tp)
+            sw, overrides = switches, {}
+            for i in range(len(order) + 1):
+                if i:
+                    flag, change = order[i - 1]
+                    sw = dataclasses.replace(sw, **change)
+                    overrides[flag.split()[0]] = flag  # a later AC mode replaces an earlier one
+                est = estimate(args, trial, sw, seq_len, batch)
+                if est.total <= budget:
+                    return sp, [f"--parallelism.ulysses_degree {sp}", *overrides.values()], est
     return None
 
 

@@ -107,6 +107,8 @@ def test_script_recommends_a_valid_layout_and_refuses_bad_input(capsys):
     line = [ln for ln in out.splitlines() if ln.startswith("recommended:")][0]
     degree = int(line.split("--parallelism.ulysses_degree ")[1].split()[0])
     assert degree in (1, 2, 4, 8)
+    # 1M tokens of Llama-3-8B fit 8 GPUs by a larger degree: no slow FSDP CPU offload
+    assert "enable_cpu_offload" not in line and "full_offload" in line, line
     with pytest.raises(SystemExit, match="seq_len 1001 is not divisible by ulysses_degree 8"):
         estimate_memory.main(["--config", "train_configs/llama3_8b_128k.toml", "--world-size", "8",
                               "--training.seq_len", "1001"])
