@@ -56,13 +56,15 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
     costs far more than a larger Ulysses degree inside a node: it is tried only when no
     degree fits without it.
     """
-    degrees = []
-    for sp in [s for s in range(1, world // layout.tp + 1) if (world // layout.tp) % s == 0 and seq_len % s == 0]:
+    def heads_allow(sp: int) -> bool:
         try:
             check_heads(args.n_heads, args.n_kv_heads, sp, layout.tp)
-            degrees.append(sp)
+            return True
         except ValueError:
-            continue
+            return False
+
+    ranks = world // layout.tp
+    degrees = [s for s in range(1, ranks + 1) if ranks % s == 0 and seq_len % s == 0 and heads_allow(s)]
     for order in (SWITCH_ORDER[:-1], SWITCH_ORDER):
         for sp in degrees:
             trial = Layout(dp_shard=world // (sp * layout.tp), sp=sp, tp=layout.tp)

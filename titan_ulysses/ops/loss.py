@@ -14,7 +14,7 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
-def _upcast(t: torch.Tensor) -> torch.Tensor:
+def upcast(t: torch.Tensor) -> torch.Tensor:
     """At least fp32 (bf16 logits lose the loss; fp64 stays fp64)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
@@ -22,7 +22,7 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Sum of per-token losses of ``logits: [B, S, V]`` against ``labels: [B, S]`` in fp32."""
     return F.cross_entropy(
-        _upcast(logits.flatten(0, 1)), labels.flatten(), ignore_index=ignore_index, reduction="sum"
+        upcast(logits.flatten(0, 1)), labels.flatten(), ignore_index=ignore_index, reduction="sum"
     )
 
 
@@ -32,9 +32,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size: int, ignore_index: int):
         # hidden [N, D], weight [V, D], labels [N]
-        total = torch.zeros((), dtype=_upcast(hidden).dtype, device=hidden.device)
+        total = torch.zeros((), dtype=upcast(hidden).dtype, device=hidden.device)
         for h, lab in zip(hidden.split(chunk_size), labels.split(chunk_size)):
-            logits = _upcast(h @ weight.t())  # [chunk, V]
+            logits = upcast(h @ weight.t())  # [chunk, V]
             total += F.cross_entropy(logits, lab, ignore_index=ignore_index, reduction="sum")
         ctx.save_for_backward(hidden, weight, labels)
         ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
@@ -44,18 +44,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         hidden, weight, labels = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=_upcast(weight).dtype, device=weight.device)
+        grad_weight = torch.zeros(weight.shape, dtype=upcast(weight).dtype, device=weight.device)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             h = hidden[start : start + ctx.chunk_size]
             lab = labels[start : start + ctx.chunk_size]
             # d(sum CE)/d logits = softmax - one_hot(label), zero on ignored tokens
-            grad_logits = torch.softmax(_upcast(h @ weight.t()), dim=-1)  # [chunk, V]
+            grad_logits = torch.softmax(upcast(h @ weight.t()), dim=-1)  # [chunk, V]
             valid = lab != ctx.ignore_index
             rows = torch.arange(lab.shape[0], device=lab.device)
             grad_logits[rows[valid], lab[valid]] -= 1.0
             grad_logits *= valid[:, None] * grad_total
             grad_hidden[start : start + ctx.chunk_size] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            grad_weight += grad_logits.t() @ _upcast(h)
+            grad_weight += grad_logits.t() @ upcast(h)
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
 
 

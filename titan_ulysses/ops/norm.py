@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import torch
 
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16/fp16/fp32, fp64 stays
+from titan_ulysses.ops.loss import upcast
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        xf = x.to(_compute_dtype(x))
+        xf = upcast(x)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
         ctx.save_for_backward(x, weight, rstd)
         return (xf * rstd * weight.to(xf.dtype)).to(x.dtype)
