@@ -100,15 +100,15 @@ def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: st
     a = s.act_bytes
     heads = args.n_heads // layout.tp
     attention = a * (q + 2 * r * kv) + a * q + 4 * heads
-    if mode in ("full", "full_offload"):
-        return a * d if mode == "full" else 0.0
-    if mode == "selective":
-        return a * (q + 2 * kv) + 2 * a * d + (0 if s.mlp_tile_size else 2 * a * f) + attention + a * q + a * d
-    mlp = a * d + (0 if s.mlp_tile_size else 4 * a * f)
-    norms = 2 * (a * d + 4)
     # the output projection's input: its own buffer after the return all-to-all; without
     # Ulysses a view of the attention output (kernels write it [B, S, H, Dh]), counted above
     wo_input = a * q if layout.sp > 1 else 0
+    if mode in ("full", "full_offload"):
+        return a * d if mode == "full" else 0.0
+    if mode == "selective":
+        return a * (q + 2 * kv) + 2 * a * d + (0 if s.mlp_tile_size else 2 * a * f) + attention + wo_input + a * d
+    mlp = a * d + (0 if s.mlp_tile_size else 4 * a * f)
+    norms = 2 * (a * d + 4)
     return norms + a * d + attention + wo_input + mlp
 
 
