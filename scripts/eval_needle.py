@@ -1,14 +1,17 @@
 """Passkey (needle-in-a-haystack) retrieval of a checkpoint over context lengths x needle depths.
 
-    torchrun --nproc-per-node 2 scripts/eval_needle.py --config train_configs/debug_model.toml \\
-        --checkpoint outputs/debug_model/checkpoint/step-100 \\
-        --lengths 128,256,512,1024 --depths 0,0.25,0.5,0.75,1 --output docs/figures/needle_debug_model
+    torchrun --nproc-per-node 2 scripts/eval_needle.py --config train_configs/needle_demo.toml \\
+        --checkpoint outputs/needle_demo/checkpoint/step-400 \\
+        --lengths 96,128,192,256,512 --samples 16 --output docs/figures/needle_demo
+
+(the figure of the README's main job; ``docs/figures/needle_debug_model`` is ``debug_model.toml``'s
+``step-100`` with ``--lengths 128,256,512,1024 --depths 0,0.25,0.5,0.75,1``.)
 
 The model is laid out exactly as the training config says (Ulysses degree, FSDP), so
 evaluation at a length needs what training at that length needs; further ``--section.key
 value`` arguments override the config (e.g. ``--parallelism.ulysses_degree 1`` to run as
-one process). Each cell holds ``--samples`` prompts: filler text with a 5-digit pass key
-at the given depth, then the question. A sample counts as retrieved when the greedy
+one process). Each cell holds ``--samples`` prompts: filler text with a pass key of the
+config's ``training.passkey_digits`` digits at the given depth, then the question. A sample counts as retrieved when the greedy
 prediction of every answer digit (each predicted from the true prefix) is right; the
 per-digit accuracy and the mean negative log-likelihood of a digit are reported too
 (chance: 0.1 and ln 10 = 2.30). Writes ``<output>.json`` and the heatmap ``<output>.png``.
@@ -27,7 +30,7 @@ import torch.distributed as dist
 
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.config.manager import ConfigError, load_config, validate
-from titan_ulysses.data.datasets import make_passkey_tokens
+from titan_ulysses.data.datasets import make_passkey_tokens, random_passkey
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.tokenizer import build_tokenizer
 from titan_ulysses.models.llama.model import Transformer
@@ -60,16 +63,16 @@ def parse_args(argv):
     return a, overrides
 
 
-def passkey(length: int, depth: float, i: int) -> int:
+def passkey(length: int, depth: float, i: int, digits: int) -> int:
     """Keys drawn apart from the training stream (which draws from the training seed)."""
-    return random.Random(f"needle:{length}:{depth}:{i}").randrange(10_000, 100_000)
+    return random_passkey(random.Random(f"needle:{length}:{depth}:{i}"), digits)
 
 
-def build_cell(tokenizer, length: int, depth: float, n: int):
+def build_cell(tokenizer, length: int, depth: float, n: int, digits: int):
     """Full-sequence inputs and labels ``[n, length]``; labels only on the answer digits."""
     inputs, labels = [], []
     for i in range(n):
-        tokens, answer_start = make_passkey_tokens(tokenizer, length, passkey(length, depth, i), depth)
+        tokens, answer_start = make_passkey_tokens(tokenizer, length, passkey(length, depth, i, digits), depth)
         t = torch.tensor(tokens)
         lab = torch.full((length,), IGNORE_INDEX)
         lab[answer_start - 1:] = t[answer_start:]  # position p predicts token p + 1
@@ -79,10 +82,10 @@ def build_cell(tokenizer, length: int, depth: float, n: int):
 
 
 @torch.no_grad()
-def evaluate_cell(model, pd, tokenizer, device, length, depth, n) -> tuple[float, float, float]:
+def evaluate_cell(model, pd, tokenizer, device, length, depth, n, digits) -> tuple[float, float, float]:
     """(fraction of samples retrieved, fraction of answer digits right, mean NLL of a digit) for one cell."""
     dp_mesh, sp_mesh = pd.get_mesh("dp"), pd.get_mesh("sp")
-    inputs, labels = build_cell(tokenizer, length, depth, n)
+    inputs, labels = build_cell(tokenizer, length, depth, n, digits)
     mine = torch.arange(n) % dp_mesh.size() == dp_mesh.get_local_rank()  # dp ranks split the samples
     correct = torch.zeros(n, device=device)  # answer digits right, per sample
     total = torch.zeros(n, device=device)
@@ -124,7 +127,7 @@ def draw(result: dict, path: str) -> None:
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
     trained = result.get("trained_seq_len")
-    ax.set_title(f"passkey retrieval, {result['samples']} samples/cell\n"
+    ax.set_title(f"passkey retrieval, {result['digits']}-digit key, {result['samples']} samples/cell\n"
                  f"{os.path.basename(result['checkpoint'].rstrip('/'))}, trained at {trained}, layout {result['layout']}",
                  fontsize=9)
     fig.colorbar(im, ax=ax, label="retrieved")
@@ -144,7 +147,7 @@ def main(argv=None) -> int:
     tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path)
     for length in a.lengths:  # refuse a too-short length before any process group
         try:
-            make_passkey_tokens(tokenizer, length, 10_000, 0.5)
+            make_passkey_tokens(tokenizer, length, 10 ** config.training.passkey_digits - 1, 0.5)
         except ValueError as e:
             raise SystemExit(f"--lengths: {length} is too short for a passkey prompt ({e})") from e
     device = init_distributed()
@@ -159,11 +162,12 @@ def main(argv=None) -> int:
     CheckpointManager(folder=os.path.dirname(a.checkpoint), model=model, optimizer=None, lr_scheduler=None,
                       dataloader=None, enable=False, interval=1).load_model_only(a.checkpoint)
     model.eval()
-    grid = [[evaluate_cell(model, pd, tokenizer, device, length, depth, a.samples) for length in a.lengths]
+    digits = config.training.passkey_digits
+    grid = [[evaluate_cell(model, pd, tokenizer, device, length, depth, a.samples, digits) for length in a.lengths]
             for depth in a.depths]
     result = {
         "checkpoint": a.checkpoint, "config": a.config, "overrides": overrides, "layout": pd.degrees,
-        "trained_seq_len": config.training.seq_len, "lengths": a.lengths, "depths": a.depths, "samples": a.samples,
+        "trained_seq_len": config.training.seq_len, "digits": digits, "lengths": a.lengths, "depths": a.depths, "samples": a.samples,
         "accuracy": [[cell[0] for cell in row] for row in grid],
         "digit_accuracy": [[cell[1] for cell in row] for row in grid],
         "digit_nll": [[cell[2] for cell in row] for row in grid],

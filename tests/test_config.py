@@ -19,6 +19,7 @@ def test_defaults_and_toml_and_overrides(tmp_path):
 
 @pytest.mark.parametrize("name,world,degrees", [
     ("debug_model", 2, {"dp_replicate": 1, "dp_shard": 1, "sp": 2, "tp": 1}),
+    ("needle_demo", 2, {"dp_replicate": 1, "dp_shard": 1, "sp": 2, "tp": 1}),
     ("llama3_8b_128k", 8, {"dp_replicate": 1, "dp_shard": 1, "sp": 8, "tp": 1}),
     ("llama3_8b_512k", 32, {"dp_replicate": 1, "dp_shard": 4, "sp": 8, "tp": 1}),
     ("llama3_1b_long", 8, {"dp_replicate": 1, "dp_shard": 1, "sp": 8, "tp": 1}),
@@ -66,6 +67,7 @@ def test_bad_toml_types(tmp_path):
     (["--model.tokenizer", "tiktoken"], 1, r"model.tokenizer 'tiktoken' needs model.tokenizer_path"),
     (["--model.flavor", "7B"], 1, r"model.flavor: model flavor '7B' is not one of"),
     (["--training.steps", "0"], 1, r"training.steps must be positive"),
+    (["--training.passkey_digits", "0"], 1, r"training.passkey_digits must lie in \[1, 9\], got 0"),
 ])
 def test_validation_refusals(argv, world, message):
     with pytest.raises(ConfigError, match=message):

@@ -51,6 +51,18 @@ def test_passkey_samples_are_deterministic_and_end_with_the_answer():
     assert tok.decode(tokens[answer_start:]) == "12345" and len(tokens) == 301
 
 
+@pytest.mark.parametrize("digits", [1, 3])
+def test_passkey_digits_sets_the_key_length(digits):
+    tok = ByteTokenizer()
+    ds = PasskeyDataset(tok, 200, seed=3, digits=digits)
+    keys = [ds.key_and_depth(i)[0] for i in range(200)]
+    assert {len(str(k)) for k in keys} == {digits}
+    assert len(set(keys)) == 10 if digits == 1 else len(set(keys)) > 100  # every 1-digit key, 0 included
+    a = ds[5]
+    text = tok.decode(a["input"].tolist() + [a["labels"][-1].item()])
+    assert text.endswith(f"The pass key is {keys[5]}") and a["input"].shape == (200,)
+
+
 def test_packing_keeps_document_boundaries(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "abc"}) + "\n" + json.dumps({"text": "defgh"}) + "\n")
     (tmp_path / "b.txt").write_text("xy")

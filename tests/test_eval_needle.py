@@ -28,14 +28,14 @@ def checkpoint(tmp_path_factory):
 
 
 def test_ulysses_evaluation_equals_one_process(checkpoint, tmp_path):
-    grid = ["--lengths", "112,160", "--depths", "0,1", "--samples", "3"]
+    grid = ["--lengths", "112,160", "--depths", "0,1", "--samples", "3", "--training.passkey_digits", "2"]
     script = os.path.join("scripts", "eval_needle.py")
     _run([script, "--config", CONFIG, "--checkpoint", checkpoint, *grid, "--output", str(tmp_path / "sp2")], nproc=2)
     _run([script, "--config", CONFIG, "--checkpoint", checkpoint, *grid, "--output", str(tmp_path / "one"),
           "--parallelism.ulysses_degree", "1"])
     sp2, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("sp2", "one"))
     assert sp2["layout"]["sp"] == 2 and one["layout"]["sp"] == 1
-    assert sp2["lengths"] == [112, 160] and sp2["depths"] == [0.0, 1.0]
+    assert sp2["lengths"] == [112, 160] and sp2["depths"] == [0.0, 1.0] and sp2["digits"] == 2
     assert sp2["accuracy"] == one["accuracy"] and sp2["digit_accuracy"] == one["digit_accuracy"]
     for row2, row1 in zip(sp2["digit_nll"], one["digit_nll"]):
         for a, b in zip(row2, row1):

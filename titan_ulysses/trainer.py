@@ -120,7 +120,7 @@ class Trainer:
         self.global_batch_size = resolved_global_batch_size(config, pd.size("dp"))
         self.accumulation_steps = self.global_batch_size // (t.local_batch_size * pd.size("dp"))
         self.tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path)
-        dataset = build_dataset(t.dataset, t.dataset_path, self.tokenizer, t.seq_len, t.seed)
+        dataset = build_dataset(t.dataset, t.dataset_path, self.tokenizer, t.seq_len, t.seed, t.passkey_digits)
         self.dataloader = build_dataloader(
             dataset, global_batch_size=self.global_batch_size, local_batch_size=t.local_batch_size,
             dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(),

@@ -154,6 +154,8 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
                        ("checkpoint.interval", config.checkpoint.interval), ("metrics.log_freq", config.metrics.log_freq)):
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
+    if not 1 <= t.passkey_digits <= 9:
+        raise ConfigError(f"training.passkey_digits must lie in [1, 9], got {t.passkey_digits}")
     try:
         check_seq_len(t.seq_len, dims.sp)
     except ValueError as e:

@@ -52,18 +52,23 @@ def make_passkey_tokens(tokenizer, seq_len: int, passkey: int, depth: float) -> 
     return tokens, len(tokens) - len(answer)
 
 
-class PasskeyDataset:
-    """Synthetic passkey retrieval, generated from (seed, index): a 5-digit key at a random depth."""
+def random_passkey(rng: random.Random, digits: int) -> int:
+    """A key of exactly ``digits`` digits (no leading zero unless it is the only digit)."""
+    return rng.randrange(0 if digits == 1 else 10 ** (digits - 1), 10**digits)
 
-    def __init__(self, tokenizer, seq_len: int, seed: int):
-        self.tokenizer, self.seq_len, self.seed = tokenizer, seq_len, seed
+
+class PasskeyDataset:
+    """Synthetic passkey retrieval, generated from (seed, index): a ``digits``-digit key at a random depth."""
+
+    def __init__(self, tokenizer, seq_len: int, seed: int, digits: int = 5):
+        self.tokenizer, self.seq_len, self.seed, self.digits = tokenizer, seq_len, seed, digits
 
     def __len__(self) -> int:
         return 2**31
 
     def key_and_depth(self, index: int) -> tuple[int, float]:
         rng = random.Random(self.seed * 1_000_003 + index)
-        return rng.randrange(10_000, 100_000), rng.random()
+        return random_passkey(rng, self.digits), rng.random()
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         key, depth = self.key_and_depth(index)
@@ -124,9 +129,9 @@ class PackedTextDataset:
         return _item(self.tokens[start:end], self.doc_ids[start:end])
 
 
-def build_dataset(kind: str, path: str, tokenizer, seq_len: int, seed: int):
+def build_dataset(kind: str, path: str, tokenizer, seq_len: int, seed: int, passkey_digits: int = 5):
     if kind == "passkey":
-        return PasskeyDataset(tokenizer, seq_len, seed)
+        return PasskeyDataset(tokenizer, seq_len, seed, passkey_digits)
     if kind == "text":
         return PackedTextDataset(path, tokenizer, seq_len)
     raise ValueError(f"training.dataset {kind!r} is not one of ['passkey', 'text']")
