@@ -1,7 +1,7 @@
 """Export a titan-ulysses checkpoint to Hugging Face Llama format.
 
-    python scripts/export_hf.py --checkpoint outputs/debug_model/checkpoint/step-100 \
-        --flavor debugmodel --output outputs/debug_model/hf [--dtype bfloat16]
+    python scripts/export_hf.py --checkpoint outputs/needle_demo/checkpoint/step-400 \
+        --flavor debugmodel --output outputs/needle_demo/hf [--dtype bfloat16]
 
 Pass the same --rope-theta / --rope-scaling-factor as model.rope_theta /
 model.rope_scaling_factor when the run overrode them (context extension).
