@@ -11,10 +11,10 @@ The model is laid out exactly as the training config says (Ulysses degree, FSDP)
 evaluation at a length needs what training at that length needs; further ``--section.key
 value`` arguments override the config (e.g. ``--parallelism.ulysses_degree 1`` to run as
 one process). Each cell holds ``--samples`` prompts: filler text with a pass key of the
-config's ``training.passkey_digits`` digits at the given depth, then the question. A sample counts as retrieved when the greedy
-prediction of every answer digit (each predicted from the true prefix) is right; the
-per-digit accuracy and the mean negative log-likelihood of a digit are reported too
-(chance: 0.1 and ln 10 = 2.30). Writes ``<output>.json`` and the heatmap ``<output>.png``.
+config's ``training.passkey_digits`` digits at the given depth, then the question. A sample
+counts as retrieved when the greedy prediction of every answer digit (each predicted from
+the true prefix) is right; the per-digit accuracy and the mean negative log-likelihood of
+a digit are reported too (chance: 0.1 and ln 10 = 2.30). Writes ``<output>.json`` and the heatmap ``<output>.png``.
 """
 
 from __future__ import annotations
