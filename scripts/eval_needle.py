@@ -145,9 +145,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from e
     tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path)
+    digits = config.training.passkey_digits
     for length in a.lengths:  # refuse a too-short length before any process group
         try:
-            make_passkey_tokens(tokenizer, length, 10 ** config.training.passkey_digits - 1, 0.5)
+            make_passkey_tokens(tokenizer, length, 10**digits - 1, 0.5)
         except ValueError as e:
             raise SystemExit(f"--lengths: {length} is too short for a passkey prompt ({e})") from e
     device = init_distributed()
@@ -162,7 +163,6 @@ def main(argv=None) -> int:
     CheckpointManager(folder=os.path.dirname(a.checkpoint), model=model, optimizer=None, lr_scheduler=None,
                       dataloader=None, enable=False, interval=1).load_model_only(a.checkpoint)
     model.eval()
-    digits = config.training.passkey_digits
     grid = [[evaluate_cell(model, pd, tokenizer, device, length, depth, a.samples, digits) for length in a.lengths]
             for depth in a.depths]
     result = {

@@ -129,7 +129,7 @@ class PackedTextDataset:
         return _item(self.tokens[start:end], self.doc_ids[start:end])
 
 
-def build_dataset(kind: str, path: str, tokenizer, seq_len: int, seed: int, passkey_digits: int = 5):
+def build_dataset(kind: str, path: str, tokenizer, seq_len: int, seed: int, passkey_digits: int):
     if kind == "passkey":
         return PasskeyDataset(tokenizer, seq_len, seed, passkey_digits)
     if kind == "text":
