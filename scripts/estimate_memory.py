@@ -116,15 +116,18 @@ def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int
 
 
 def measure_cuda_peak(argv: list[str], world: int) -> float:
-    """Peak allocated bytes of one training step on this GPU (fake process group for world > 1)."""
+    """Peak allocated bytes of a steady-state training step (the second) on this GPU (fake process group for world > 1)."""
     import torch
 
     from titan_ulysses.trainer import Trainer
 
     extra = ["--comm.mode", "fake", "--comm.fake_world_size", str(world)] if world > 1 else []
     trainer = Trainer(load_config([*argv, *extra, "--checkpoint.enable", "false"]))
+    data = iter(trainer.dataloader)
+    trainer.train_step(data)  # the first step allocates the optimizer state
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    trainer.train_step(iter(trainer.dataloader))
+    trainer.train_step(data)
     return float(torch.cuda.max_memory_allocated())
 
 

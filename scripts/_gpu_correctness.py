@@ -1,0 +1,524 @@
+"""Correctness cases of the GPU suite (``gpu_suite.py --part correctness``).
+
+Every case compares a CUDA path with a reference and states its tolerance; where it
+helps, it also reports what a known bug would look like (``bug_err``), so the tolerance
+is shown to be tight enough to catch one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from _runs import ROOT, train_command
+from _gpu_common import Case, Skip
+
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from titan_ulysses.ops.attention import build_attention, build_attention_mask  # noqa: E402
+
+TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+DEBUG = os.path.join(ROOT, "train_configs", "debug_model.toml")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Frobenius norm of the difference relative to the reference's."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def exact_fp32() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+# ---- local attention backends against an fp32 reference ---------------------------------
+
+def _documents(b: int, s: int, gen: torch.Generator) -> torch.Tensor:
+    """Document ids [B, S]: each row cut at random places into 3 to 6 documents."""
+    rows = []
+    for _ in range(b):
+        cuts = torch.randperm(s - 1, generator=gen)[: int(torch.randint(2, 6, (1,), generator=gen))] + 1
+        ids = torch.zeros(s, dtype=torch.long)
+        ids[cuts] = 1
+        rows.append(ids.cumsum(0))
+    return torch.stack(rows)
+
+
+def _reference(q, k, v, grad, dense_mask):
+    """fp32 math attention: output and input gradients. ``dense_mask`` None means causal."""
+    q, k, v = (t.detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v))  # [B, H, S, D]
+    with sdpa_kernel([SDPBackend.MATH]):
+        if dense_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask, enable_gqa=True)
+    out.backward(grad.float().transpose(1, 2))
+    return [t.transpose(1, 2) for t in (out.detach(), q.grad, k.grad, v.grad)]
+
+
+def attention_case(backend: str, kernel: SDPBackend | None, docs: bool, dtypes: tuple):
+    def run(ctx):
+        if backend == "flash_attn":
+            try:
+                import flash_attn  # noqa: F401
+            except ImportError:
+                raise Skip("flash-attn is not installed on this machine")
+        if not ctx.cuda and kernel in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            raise Skip(f"{kernel.name} is a CUDA kernel")
+        exact_fp32()
+        b, s, hq, hkv, d = (2, 128, 4, 2, 16) if ctx.dry_run else (2, 4096, 8, 2, 128)
+        gen = torch.Generator().manual_seed(0)
+        base = [torch.randn(b, s, h, d, generator=gen) for h in (hq, hkv, hkv)]
+        grad = torch.randn(b, s, hq, d, generator=gen)
+        doc_ids = _documents(b, s, gen).to(ctx.device) if docs else None
+        dense = build_attention_mask("sdpa", doc_ids) if docs else None
+        module = build_attention(backend)
+        figures, ok = {}, True
+        # FlexAttention has no CPU backward: the dry run checks its forward only
+        backward = ctx.cuda or backend != "flex"
+        for dtype in dtypes:
+            q, k, v = (t.to(ctx.device, dtype).requires_grad_(backward) for t in base)
+            g = grad.to(ctx.device, dtype)
+            ref = _reference(q, k, v, g, dense)
+            mask = build_attention_mask(backend, doc_ids) if docs else None
+            with sdpa_kernel([kernel]) if kernel is not None else contextlib.nullcontext():
+                out = module(q, k, v, mask)
+                if backward:
+                    out.backward(g)
+            got = (out, q.grad, k.grad, v.grad) if backward else (out,)
+            err = max(rel_err(x, r) for x, r in zip(got, ref))
+            name = str(dtype).removeprefix("torch.")
+            figures[f"{name}_err"] = err
+            ok &= err < TOL[dtype]
+        # what a wrong mask looks like: causal instead of per-document, or no mask instead of causal
+        wrong = None if docs else torch.ones(s, s, dtype=torch.bool, device=ctx.device)
+        bug = rel_err(_reference(q, k, v, g, wrong)[0], ref[0])
+        figures["bug_err"] = bug
+        ok &= bug > 10 * max(TOL[t] for t in dtypes)
+        tol = ", ".join(f"{str(t).removeprefix('torch.')} < {TOL[t]:g}" for t in dtypes)
+        return {"status": "pass" if ok else "fail", "figures": figures,
+                "detail": f"[{b}, {s}, {hq}/{hkv} heads, {d}] {'fwd+bwd' if backward else 'fwd only'} vs fp32 math; "
+                          f"max rel. error of out{', dq, dk, dv' if backward else ''}: "
+                          f"{tol}; a wrong mask gives bug_err"}
+
+    return run
+
+
+# ---- several ranks on one GPU --------------------------------------------------------------
+
+def _rank_main(rank, world, init_file, backend, device_type, task, out_file):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if device_type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        result = task[0](torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu"), *task[1:])
+    except Exception as e:
+        result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def spawn(world: int, backend: str, device_type: str, task: tuple, timeout: float) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "result.json")
+        ctx = mp.spawn(_rank_main, args=(world, os.path.join(d, "store"), backend, device_type, task, out),
+                       nprocs=world, join=False)
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=1):  # join returns as soon as any one rank exits
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    return {"error": f"no answer within {timeout:.0f} s (hung)"}
+        except Exception as e:  # a rank died (e.g. NCCL aborting the process)
+            return {"error": f"a rank died: {str(e).strip().splitlines()[-1][:200]}"}
+        if not os.path.exists(out):
+            return {"error": "rank 0 wrote no result"}
+        with open(out) as f:
+            return json.load(f)
+
+
+def probe_collectives(device) -> dict:
+    """Which collectives this process group runs correctly on ``device`` tensors."""
+    import torch.distributed as dist
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    checks = {
+        "all_reduce": lambda: _check(lambda t: dist.all_reduce(t), torch.full((4,), r + 1.0, device=device),
+                                     torch.full((4,), w * (w + 1) / 2)),
+        "all_gather_into_tensor": lambda: _gather(device, r, w),
+        "reduce_scatter_tensor": lambda: _scatter(device, r, w),
+        "all_to_all_single": lambda: _a2a(device, r, w, functional=False),
+        "funcol.all_to_all_single": lambda: _a2a(device, r, w, functional=True),
+        "broadcast": lambda: _check(lambda t: dist.broadcast(t, 0), torch.full((4,), float(r), device=device),
+                                    torch.zeros(4)),
+    }
+    found = {}
+    for name, fn in checks.items():
+        try:
+            found[name] = "ok" if fn() else "wrong result"
+        except Exception as e:
+            found[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return found
+
+
+def _check(op, t, expected) -> bool:
+    op(t)
+    return torch.equal(t.cpu(), expected)
+
+
+def _gather(device, r, w) -> bool:
+    import torch.distributed as dist
+
+    out = torch.empty(2 * w, device=device)
+    dist.all_gather_into_tensor(out, torch.full((2,), float(r), device=device))
+    return torch.equal(out.cpu(), torch.arange(w, dtype=torch.float).repeat_interleave(2))
+
+
+def _scatter(device, r, w) -> bool:
+    import torch.distributed as dist
+
+    out = torch.empty(2, device=device)
+    dist.reduce_scatter_tensor(out, torch.arange(2 * w, dtype=torch.float, device=device))
+    return torch.equal(out.cpu(), w * torch.arange(2 * r, 2 * r + 2, dtype=torch.float))
+
+
+def _a2a(device, r, w, functional: bool) -> bool:
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    x = torch.arange(w, dtype=torch.float, device=device) + 10 * r  # element j goes to rank j
+    if functional:
+        out = funcol.all_to_all_single(x, None, None, dist.group.WORLD).wait()
+    else:
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x)
+    return torch.equal(out.cpu(), 10 * torch.arange(w, dtype=torch.float) + r)
+
+
+def model_equality(device, layout: dict, steps: int) -> dict:
+    """The parallel model on ``device`` against one process on the same device: fp32, AdamW steps."""
+    import torch.distributed as dist
+    from model_harness import clean_name, full, make_batch, parallel_step, reference_step, small_args
+
+    from titan_ulysses.distributed.parallel_dims import ParallelDims
+    from titan_ulysses.distributed.utils import load_full_state_dict
+    from titan_ulysses.models.llama.model import Transformer
+    from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+
+    exact_fp32()
+    pd = ParallelDims(**layout, world_size=dist.get_world_size())
+    pd.build_mesh(device.type)
+    args = small_args(dim=128, n_heads=8, n_kv_heads=2, ffn_hidden_dim=256)
+    torch.manual_seed(0)
+    ref = Transformer(args)
+    ref.init_weights()
+    ref.to(device)
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallelize_llama(model, pd, ParallelizeOptions(param_dtype=torch.float32))
+    model.to_empty(device=device)
+    model.init_buffers(device)
+    load_full_state_dict(model, ref.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for step in range(steps):
+        inputs, labels = (t.to(device) for t in make_batch(step, 4, 77, args.vocab_size))  # 77: sp pads
+        ref_loss = reference_step(ref, inputs, labels)
+        loss, _ = parallel_step(model, pd, inputs, labels)
+        worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            worst["grad"] = max(worst["grad"], rel_err(full(p.grad), ref_params[clean_name(name)].grad))
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    for name, p in model.named_parameters():
+        worst["param"] = max(worst["param"], rel_err(full(p.detach()), dict(ref.named_parameters())[clean_name(name)]))
+    return worst
+
+
+def ulysses_only_equality(device) -> dict:
+    """sp=2 without FSDP (for a backend that lacks FSDP's collectives on ``device``): the Ulysses
+    exchange only, gradients summed over the sp ranks with all_reduce, against one process."""
+    import torch.distributed as dist
+    from model_harness import make_batch, reference_step, small_args
+
+    from titan_ulysses.data.sharding import shard_batch
+    from titan_ulysses.distributed.parallel_dims import ParallelDims
+    from titan_ulysses.distributed.ulysses import apply_ulysses
+    from titan_ulysses.models.llama.model import Transformer
+    from titan_ulysses.ops.loss import cross_entropy_sum
+
+    exact_fp32()
+    pd = ParallelDims(sp=2, world_size=2)
+    pd.build_mesh(device.type)
+    args = small_args(dim=128, n_heads=8, n_kv_heads=2, ffn_hidden_dim=256)
+    torch.manual_seed(0)
+    ref = Transformer(args)
+    ref.init_weights()
+    model = Transformer(args)
+    model.load_state_dict(ref.state_dict())
+    ref.to(device), model.to(device)
+    apply_ulysses(model, pd.get_mesh("sp"))
+    inputs, labels = (t.to(device) for t in make_batch(0, 4, 77, args.vocab_size))
+    ref_loss = reference_step(ref, inputs, labels)
+    mb = shard_batch(inputs, labels, dist.get_rank(), 2)
+    n_tokens = (labels != -100).sum()
+    loss = cross_entropy_sum(model(mb.tokens, positions=mb.positions), mb.labels) / n_tokens
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    worst = {"loss": abs(total.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": 0.0}
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)
+        worst["grad"] = max(worst["grad"], rel_err(p.grad, ref_params[name].grad))
+    return worst
+
+
+def multiprocess_one_gpu(ctx):
+    """Ranks sharing one GPU: which gloo collectives run on CUDA tensors, whether NCCL allows it,
+    and the Ulysses layouts on gloo against one process on the same device."""
+    dev = ctx.device.type
+    figures, notes = {}, []
+    probe = spawn(2, "gloo", dev, (probe_collectives,), ctx.timeout(120))
+    figures["gloo_collectives"] = probe
+    if ctx.cuda:
+        nccl = spawn(2, "nccl", dev, (probe_collectives,), ctx.timeout(60))
+        figures["nccl_two_ranks_one_gpu"] = nccl.get("error") or {k: v for k, v in nccl.items()}
+    ok = True
+    for name, layout, world in (("sp2", {"sp": 2}, 2), ("dp_shard2_sp2", {"dp_shard": 2, "sp": 2}, 4)):
+        res = spawn(world, "gloo", dev, (model_equality, layout, 2 if ctx.dry_run else 3), ctx.timeout(240))
+        figures[name] = res
+        if "error" in res:
+            ok = False
+            notes.append(f"{name}: {res['error']}")
+            if name == "sp2":  # FSDP's collectives may be what fails: try the exchange alone
+                alone = spawn(2, "gloo", dev, (ulysses_only_equality,), ctx.timeout(120))
+                figures["sp2_ulysses_only"] = alone
+                notes.append("sp2 without FSDP: " + (alone.get("error") or (
+                    "equal" if alone["loss"] < 1e-5 and alone["grad"] < 1e-4 else "NOT equal")))
+        else:
+            ok &= res["loss"] < 1e-5 and res["grad"] < 1e-4 and res["param"] < 1e-5
+    return {"status": "pass" if ok else "fail", "figures": figures,
+            "detail": "; ".join(notes) or "fp32 model (dim 128, 8/2 heads, S=77) on gloo ranks sharing the device vs "
+                                         "one process; tolerances loss 1e-5, grad 1e-4, params 1e-5 (rel.)"}
+
+
+# ---- the memory switches on CUDA -------------------------------------------------------------
+
+def full_offload_equals_full(ctx):
+    from model_harness import small_args
+
+    from titan_ulysses.distributed.activation_checkpoint import apply_ac
+    from titan_ulysses.distributed.activation_offload import apply_activation_offload
+    from titan_ulysses.models.llama.model import Transformer
+
+    exact_fp32()
+    s = 128 if ctx.dry_run else 8192
+    args = small_args(dim=512 if ctx.cuda else 64, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden_dim=1024)
+    tokens = torch.randint(0, args.vocab_size, (1, s), generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    results = {}
+    for mode in ("full", "full_offload"):
+        torch.manual_seed(0)
+        model = Transformer(args)
+        model.init_weights()
+        model.to(ctx.device)
+        apply_ac(model, "full")
+        if mode == "full_offload":
+            apply_activation_offload(model)
+        if ctx.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        loss = model(tokens, labels=tokens) / s
+        loss.backward()
+        peak = torch.cuda.max_memory_allocated() / 2**20 if ctx.cuda else 0.0
+        results[mode] = (loss.item(), {n: p.grad for n, p in model.named_parameters()}, peak)
+    (l0, g0, m0), (l1, g1, m1) = results["full"], results["full_offload"]
+    grad_err = max(rel_err(g1[n], g0[n]) for n in g0)
+    loss_err = abs(l1 - l0) / abs(l0)
+    ok = loss_err < 1e-6 and grad_err < 1e-5
+    return {"status": "pass" if ok else "fail",
+            "figures": {"loss_err": loss_err, "grad_err": grad_err, "peak_mib_full": m0, "peak_mib_offload": m1},
+            "detail": f"4-layer fp32 model, S={s}, block inputs to pinned host memory on the side stream; "
+                      "tolerance loss 1e-6, grads 1e-5 (rel.)"}
+
+
+# ---- trainer runs (train.py in a subprocess) ------------------------------------------------
+
+def train(ctx, overrides: list[str], dump: str, config: str = DEBUG, nproc: int = 1, timeout: float = 300):
+    """Run train.py; returns (exit code, metrics rows, output tail)."""
+    cmd = train_command(config, nproc, overrides, dump)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=ctx.timeout(timeout))
+        code, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired:
+        code, out = 124, "timed out"
+    path = os.path.join(dump, "metrics.jsonl")
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        os.remove(path)  # a rerun in the same folder appends
+    return code, rows, "\n".join(out.strip().splitlines()[-4:])
+
+
+def _losses(rows) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def _failed(code, tail) -> dict:
+    return {"status": "fail", "detail": f"train.py exit {code}: {tail[-400:]}"}
+
+
+def _gpu_or(ctx, gpu: list[str], cpu: list[str]) -> list[str]:
+    return cpu if ctx.dry_run else gpu
+
+
+def checkpoint_async_pinned_resume(ctx):
+    n = 4 if ctx.dry_run else 8
+    common = ["--parallelism.ulysses_degree", "1", "--training.local_batch_size", "2",
+              "--training.seq_len", "128" if ctx.dry_run else "1024", "--training.mixed_precision_param", "float32",
+              "--checkpoint.enable", "true", "--checkpoint.interval", str(n // 2),
+              "--checkpoint.async_mode", "async_with_pinned_mem", "--checkpoint.keep_latest_k", "0"]
+    with tempfile.TemporaryDirectory() as whole, tempfile.TemporaryDirectory() as cut:
+        code, rows_a, tail = train(ctx, [*common, "--training.steps", str(n)], whole)
+        if code:
+            return _failed(code, tail)
+        code, _, tail = train(ctx, [*common, "--training.steps", str(n // 2)], cut)
+        if code:
+            return _failed(code, tail)
+        code, rows_b, tail = train(ctx, [*common, "--training.steps", str(n)], cut)
+        if code:
+            return _failed(code, tail)
+        a, b = _losses(rows_a), _losses(rows_b)
+        resumed = sorted(b)
+        diff = max(abs(a[s] - b[s]) / abs(a[s]) for s in resumed)
+        saved = sorted(os.listdir(os.path.join(cut, "checkpoint")))
+    ok = resumed == list(range(n // 2 + 1, n + 1)) and diff < 1e-5
+    return {"status": "pass" if ok else "fail", "figures": {"max_rel_loss_diff": diff, "resumed_steps": resumed},
+            "detail": f"debug model, fp32, async_with_pinned_mem saves every {n // 2} steps; run cut at step {n // 2} "
+                      f"and resumed vs uninterrupted, tolerance 1e-5; checkpoints {saved}"}
+
+
+def float8_case(recipe: str):
+    def run(ctx):
+        if ctx.cuda and torch.cuda.get_device_capability() < (8, 9):
+            raise Skip("float8 matmuls need sm_89+")
+        try:
+            import torchao  # noqa: F401
+        except ImportError:
+            raise Skip("torchao is not installed (carry it: scripts/gpu_wheels.sh)")
+        steps = 6 if ctx.dry_run else 50
+        common = ["--training.steps", str(steps), "--parallelism.ulysses_degree", "1",
+                  "--training.mixed_precision_param", "bfloat16", "--lr_scheduler.warmup_steps", "5",
+                  *_gpu_or(ctx, ["--model.flavor", "1B", "--training.seq_len", "2048",
+                                 "--training.local_batch_size", "4", "--optimizer.lr", "3e-4"],
+                           ["--training.seq_len", "128", "--training.local_batch_size", "2"])]
+        with tempfile.TemporaryDirectory() as d:
+            code, bf16, tail = train(ctx, common, d, timeout=240)
+            if code:
+                return _failed(code, tail)
+            extra = ["--float8.enable", "true", "--float8.recipe", recipe] + (["--float8.emulate", "true"]
+                                                                              if ctx.dry_run else [])
+            code, f8, tail = train(ctx, [*common, *extra], d, timeout=240)
+            if code:
+                return _failed(code, tail)
+        last = max(1, len(bf16) // 5)
+        ref = sum(r["loss"] for r in bf16[-last:]) / last
+        got = sum(r["loss"] for r in f8[-last:]) / last
+        gap = abs(got - ref) / ref
+        learned = ref < 0.8 * bf16[0]["loss"]
+        ok = gap < 0.05 and all(math.isfinite(r["loss"]) for r in f8) and (learned or ctx.dry_run)
+        tps = {"bf16_tok_s": bf16[-1]["tokens_per_sec_per_device"], "float8_tok_s": f8[-1]["tokens_per_sec_per_device"]}
+        return {"status": "pass" if ok else "fail",
+                "figures": {"loss_bf16": ref, "loss_float8": got, "rel_gap": gap, "first_loss": bf16[0]["loss"], **tps},
+                "detail": f"{steps} steps, {'debug model' if ctx.dry_run else '1B shape, 4 x 2048 tokens'}, eager; "
+                          f"mean loss of the last {last} steps within 5% of bf16 (speed: see bench)"}
+
+    return run
+
+
+def compile_memory_switches(ctx):
+    steps = 3 if ctx.dry_run else 8
+    switches = ["--model.loss_chunk_size", "32" if ctx.dry_run else "512",
+                "--model.mlp_tile_size", "32" if ctx.dry_run else "512"]
+    common = ["--training.steps", str(steps), "--parallelism.ulysses_degree", "1",
+              "--training.mixed_precision_param", "float32", "--training.seq_len", "128" if ctx.dry_run else "2048",
+              "--training.local_batch_size", "2", *switches]
+    runs = {"eager_full_offload": ["--activation_checkpoint.mode", "full_offload"],
+            "compiled_full_offload": ["--activation_checkpoint.mode", "full_offload", "--compile.enable", "true"],
+            "compiled_selective": ["--activation_checkpoint.mode", "selective", "--compile.enable", "true"]}
+    losses = {}
+    with tempfile.TemporaryDirectory() as d:
+        for name, extra in runs.items():
+            code, rows, tail = train(ctx, [*common, *extra], d, timeout=300)
+            if code:
+                return _failed(code, f"{name}: {tail}")
+            losses[name] = [r["loss"] for r in rows]
+    ref = losses["eager_full_offload"]
+    diffs = {k: max(abs(a - b) / abs(b) for a, b in zip(v, ref)) for k, v in losses.items() if k != "eager_full_offload"}
+    ok = all(x < 1e-3 for x in diffs.values()) and all(len(v) == len(ref) for v in losses.values())
+    return {"status": "pass" if ok else "fail", "figures": diffs,
+            "detail": f"debug model, fp32, chunked loss + tiled MLP, {steps} steps; compiled (fullgraph per block) "
+                      "losses vs eager, tolerance 1e-3 (rel.)"}
+
+
+def trainer_1b(ctx):
+    steps = 3 if ctx.dry_run else 20
+    overrides = ["--training.steps", str(steps), "--parallelism.ulysses_degree", "1",
+                 "--activation_checkpoint.mode", "full", "--training.mixed_precision_param", "bfloat16",
+                 *_gpu_or(ctx, ["--model.flavor", "1B", "--training.seq_len", "8192", "--model.loss_chunk_size",
+                                "4096", "--optimizer.lr", "3e-4"], ["--training.seq_len", "128"])]
+    with tempfile.TemporaryDirectory() as d:
+        code, rows, tail = train(ctx, overrides, d, timeout=300)
+    if code:
+        return _failed(code, tail)
+    losses = [r["loss"] for r in rows]
+    ok = len(rows) == steps and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    last = rows[-1]
+    return {"status": "pass" if ok else "fail",
+            "figures": {"first_loss": losses[0], "last_loss": losses[-1], "tok_s": last["tokens_per_sec_per_device"],
+                        "mfu": last.get("mfu"), "peak_gib": max(r["max_memory_gib"] for r in rows)},
+            "detail": f"train.py, {'debug model' if ctx.dry_run else '1B shape, 8192 tokens, AC full, eager'}, "
+                      f"{steps} steps at sp=1: finite and falling"}
+
+
+bf16_fp32 = (torch.bfloat16, torch.float32)
+CASES = [
+    Case("attn_sdpa_flash", attention_case("sdpa", SDPBackend.FLASH_ATTENTION, False, (torch.bfloat16,)), 10, 5),
+    Case("attn_sdpa_cudnn", attention_case("sdpa", SDPBackend.CUDNN_ATTENTION, False, (torch.bfloat16,)), 10, 1),
+    Case("attn_sdpa_efficient", attention_case("sdpa", SDPBackend.EFFICIENT_ATTENTION, False, bf16_fp32), 10, 1),
+    Case("attn_sdpa_docmask", attention_case("sdpa", None, True, bf16_fp32), 10, 5),
+    Case("attn_flex_causal", attention_case("flex", None, False, bf16_fp32), 60, 10),
+    Case("attn_flex_docmask", attention_case("flex", None, True, bf16_fp32), 60, 10),
+    Case("attn_flash_attn_pkg", attention_case("flash_attn", None, False, (torch.bfloat16,)), 10, 1),
+    Case("multiprocess_one_gpu", multiprocess_one_gpu, 90, 30),
+    Case("full_offload_equals_full", full_offload_equals_full, 15, 5),
+    Case("checkpoint_async_pinned_resume", checkpoint_async_pinned_resume, 60, 30),
+    Case("float8_tensorwise", float8_case("tensorwise"), 80, 30),
+    Case("float8_rowwise", float8_case("rowwise"), 80, 30),
+    Case("compile_memory_switches", compile_memory_switches, 120, 60),
+    Case("trainer_1b_sp1", trainer_1b, 60, 15),
+]

@@ -1,0 +1,249 @@
+"""Bench and limits cases of the GPU suite (``gpu_suite.py --part bench`` / ``--part limits``).
+
+Bench: local attention against the matmul rate measured in the same run, and training
+steps (train.py in a subprocess, warm-up steps dropped, medians) of Llama-3-8B at 128K as
+a simulated rank of sp=8 (fake process group: real memory and compute, no data moved)
+and of the 1B shape at 32K on one GPU.
+
+Limits: the memory estimate against measured peaks at three lengths, and the longest
+sequence of the 1B shape on one GPU and of Llama-3-8B on a simulated rank of 8. A full
+step at a million tokens takes minutes (attention is quadratic), more than a GPU session
+can spend on one point, so the longest length is found from measured peaks: one step of
+the real model cut to 1 and 2 layers (every layer adds the same: its saved block input,
+its parameter, gradient and optimizer shards), at two lengths (activations grow linearly
+with the length under FlashAttention), then extrapolated to every layer and solved for
+the device's memory. The report says so; it is a measurement of the terms, not a run
+of the whole model at the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from _gpu_correctness import train
+from _runs import ROOT
+from _gpu_common import Case, Skip
+
+CONFIGS = os.path.join(ROOT, "train_configs")
+SYNTHETIC = ["--training.dataset", "passkey", "--model.tokenizer", "byte", "--metrics.enable_tensorboard", "false"]
+SIM8 = ["--comm.mode", "fake", "--comm.fake_world_size", "8", "--parallelism.ulysses_degree", "8"]
+LONG = ["--activation_checkpoint.mode", "full_offload", "--model.mlp_tile_size", "8192",
+        "--model.loss_chunk_size", "2048"]
+
+
+# ---- bench ---------------------------------------------------------------------------------
+
+def bench_attention_case(ctx):
+    import bench_attention
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "rows.json")
+        argv = ["--json", path] + (["--seq-lens", "64,128", "--head-dim", "16", "--iters", "1", "--warmup", "1"]
+                                   if ctx.dry_run else ["--iters", "3", "--warmup", "1"])
+        bench_attention.main(argv)
+        with open(path) as f:
+            rows = json.load(f)
+    if not rows:
+        return {"status": "fail", "detail": "no backend produced a figure"}
+    figures = {f"{r['backend']}@{r['seq_len'] // 1024}K" if r["seq_len"] >= 1024 else f"{r['backend']}@{r['seq_len']}":
+               round(100 * r["fraction_of_matmul"], 1) for r in rows}
+    long = [r for r in rows if r["seq_len"] >= 32768]
+    best = max((r["fraction_of_matmul"] for r in long), default=None)
+    verdict = "" if best is None else f"; best at 32K+: {100 * best:.0f}% (target 50%: {'met' if best >= 0.5 else 'not met'})"
+    return {"status": "measured", "figures": {"matmul_tflops": rows[0]["matmul_tflops"], **figures},
+            "detail": "% of the measured matmul rate, causal fwd+bwd, 4 q heads / 1 kv head, head_dim 128" + verdict}
+
+
+def train_cell(config: str, compile_on: bool, precision: str, ac: str, extra: list[str], seq_len: int):
+    def run(ctx):
+        if precision == "float8":
+            if ctx.cuda and torch.cuda.get_device_capability() < (8, 9):
+                raise Skip("float8 matmuls need sm_89+")
+            try:
+                import torchao  # noqa: F401
+            except ImportError:
+                raise Skip("torchao is not installed (carry it: scripts/gpu_wheels.sh)")
+        steps, warmup = (3, 1) if ctx.dry_run else (7, 3)
+        overrides = ["--training.steps", str(steps), "--activation_checkpoint.mode", ac,
+                     "--training.mixed_precision_param", "bfloat16", "--training.global_batch_size", "-1",
+                     "--training.local_batch_size", "1", *SYNTHETIC]
+        if ctx.dry_run:  # the cell's plumbing at toy size; compile is covered by the correctness part
+            overrides += ["--config", os.path.join(CONFIGS, "debug_model.toml"), "--training.seq_len", "128",
+                          "--comm.mode", "fake", "--comm.fake_world_size", "2", "--parallelism.ulysses_degree", "2",
+                          "--compile.enable", "false"]
+        else:
+            overrides += [*extra, "--training.seq_len", str(seq_len), "--compile.enable", str(compile_on).lower()]
+        if precision == "float8":
+            overrides += ["--float8.enable", "true"] + (["--float8.emulate", "true"] if ctx.dry_run else [])
+        with tempfile.TemporaryDirectory() as d:
+            code, rows, tail = train(ctx, overrides, d, config=config, timeout=400)
+        timed = [r for r in rows if r["step"] > warmup]
+        if code or not timed:
+            status = "fail" if "out of memory" not in tail.lower() else "measured"
+            return {"status": status, "detail": f"exit {code}: {'OOM' if status == 'measured' else tail[-300:]}"}
+        tps = statistics.median(r["tokens_per_sec_per_device"] for r in timed)
+        mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+        world = 2 if ctx.dry_run else (8 if "--comm.fake_world_size" in extra else 1)
+        figures = {"tok_s_per_dev": tps, "mfu_pct": statistics.median(mfus) if mfus else None,
+                   "peak_gib": max(r["max_memory_gib"] for r in rows),
+                   "step_s": (128 if ctx.dry_run else seq_len) / (tps * world),
+                   "a2a_model_s": rows[-1].get("a2a_model_sec")}
+        return {"status": "measured", "figures": figures,
+                "detail": f"{steps} steps, first {warmup} dropped, medians, local batch 1; a2a_model_s: the "
+                          f"modelled all-to-all time of a real sp=8 step at comm.link_bandwidth_gbps (not in step_s)"}
+
+    return run
+
+
+# ---- limits ----------------------------------------------------------------------------------
+
+def estimate_validate(seq_len: int):
+    def run(ctx):
+        cfg = os.path.join(CONFIGS, "debug_model.toml" if ctx.dry_run else "llama3_8b_128k.toml")
+        world = 1 if ctx.dry_run else 8
+        argv = [sys.executable, os.path.join(ROOT, "scripts", "estimate_memory.py"), "--config", cfg,
+                "--world-size", str(world), "--validate", "--json", *SYNTHETIC, "--training.global_batch_size", "-1",
+                "--compile.enable", "false"]
+        if ctx.dry_run:
+            argv += ["--parallelism.ulysses_degree", "1", "--training.seq_len", "128", "--activation_checkpoint.mode",
+                     "full"]
+        else:
+            argv += ["--training.seq_len", str(seq_len), "--device-memory-gib",
+                     f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f}"]
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=ctx.timeout(240))
+        if proc.returncode:
+            return {"status": "fail", "detail": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-300:]}"}
+        v = json.loads(proc.stdout[proc.stdout.index("{"):])["validation"]
+        err = v["error_pct"]
+        return {"status": "pass" if abs(err) <= 15 else "fail",
+                "figures": {"estimated_gib": v["estimated"] / 2**30, "measured_gib": v["measured"] / 2**30,
+                            "error_pct": err},
+                "detail": f"{v['what']}; {'debug model' if ctx.dry_run else 'Llama-3-8B, simulated rank of sp=8, AC full'}, "
+                          f"seq_len {128 if ctx.dry_run else seq_len}; target: within 15%"}
+
+    return run
+
+
+def trial_main(spec: dict) -> int:
+    """One memory trial in its own process: the model cut to ``n_layers``, a warm-up step on a
+    short batch (optimizer state allocated), then one step at ``seq_len``; prints one JSON line."""
+    import dataclasses
+
+    import titan_ulysses.trainer as trainer_mod
+    from titan_ulysses.config.manager import load_config
+
+    original = trainer_mod.model_args
+    trainer_mod.model_args = lambda c, v: dataclasses.replace(original(c, v), n_layers=spec["n_layers"])
+    config = load_config(["--config", spec["config"], *spec["overrides"], "--training.seq_len", str(spec["seq_len"]),
+                          "--checkpoint.enable", "false"])
+    t = trainer_mod.Trainer(config)
+    cuda = t.device.type == "cuda"
+
+    def batch(s: int):
+        g = torch.Generator().manual_seed(s)
+        tokens = torch.randint(0, 256, (1, s + 1), generator=g)
+        return {"input": tokens[:, :-1], "labels": tokens[:, 1:], "positions": torch.arange(s)[None],
+                "document_ids": torch.zeros(1, s, dtype=torch.long)}
+
+    t.train_step(iter([batch(spec["warm_len"])]))
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    try:
+        t.train_step(iter([batch(spec["seq_len"])]))
+        if cuda:
+            torch.cuda.synchronize()
+        out = {"peak_allocated": torch.cuda.max_memory_allocated() if cuda else 0,
+               "peak_reserved": torch.cuda.max_memory_reserved() if cuda else 0,
+               "step_s": time.perf_counter() - start}
+    except torch.OutOfMemoryError:
+        out = {"oom": True}
+    print("TRIAL " + json.dumps(out), flush=True)
+    return 0
+
+
+def _trial(ctx, config: str, overrides: list[str], n_layers: int, seq_len: int, warm_len: int) -> dict:
+    spec = {"config": config, "overrides": overrides, "n_layers": n_layers, "seq_len": seq_len, "warm_len": warm_len}
+    argv = [sys.executable, os.path.join(ROOT, "scripts", "gpu_suite.py"), "--trial", json.dumps(spec)]
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=ctx.timeout(400))
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("TRIAL "):
+            return json.loads(line[6:])
+    return {"error": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-300:]}"}
+
+
+def longest(config_name: str, extra: list[str], lengths: tuple[int, int], target: int, what: str):
+    def run(ctx):
+        from titan_ulysses.config.manager import load_config
+        from titan_ulysses.trainer import model_args
+
+        if ctx.dry_run:
+            config, lengths_, warm = os.path.join(CONFIGS, "debug_model.toml"), (128, 256), 64
+            overrides = [*SYNTHETIC, "--parallelism.ulysses_degree", "1", "--activation_checkpoint.mode", "full",
+                         "--training.global_batch_size", "-1", "--training.local_batch_size", "1"]
+        else:
+            config, lengths_, warm = os.path.join(CONFIGS, config_name), lengths, 8192
+            overrides = [*SYNTHETIC, *LONG, *extra, "--training.global_batch_size", "-1",
+                         "--training.local_batch_size", "1", "--compile.enable", "false"]
+        n_layers = model_args(load_config(["--config", config, *overrides]), 0).n_layers
+        peaks, steps = {}, {}
+        for s in lengths_:
+            for layers in (1, 2):
+                r = _trial(ctx, config, overrides, layers, s, warm)
+                if "error" in r:
+                    return {"status": "fail", "detail": f"trial {layers} layer(s) at {s}: {r['error']}"}
+                if r.get("oom"):
+                    return {"status": "measured", "detail": f"out of memory with {layers} layer(s) at {s} tokens"}
+                peaks[(s, layers)] = r["peak_reserved"] if ctx.cuda else 1.0 * layers * s
+                steps[(s, layers)] = r["step_s"]
+        # peak(S, L) = a(S) + (L - 1) * b(S), with a and b linear in S
+        full = {s: peaks[(s, 1)] + (n_layers - 1) * (peaks[(s, 2)] - peaks[(s, 1)]) for s in lengths_}
+        s0, s1 = lengths_
+        slope = (full[s1] - full[s0]) / (s1 - s0)
+        device = torch.cuda.get_device_properties(0).total_memory if ctx.cuda else 64 * 2**30
+        usable = device - 2 * 2**30  # CUDA context and NCCL buffers beside the allocator
+        best = int(s1 + (usable - full[s1]) / slope) if slope > 0 else None
+        gib = 2**30
+        figures = {f"peak_gib_{s // 1024}K_{n_layers}L": full[s] / gib for s in lengths_}
+        figures.update({f"step_s_{s // 1024}K_2L": steps[(s, 2)] for s in lengths_})
+        figures["longest_tokens"] = best
+        met = best is not None and best >= target
+        return {"status": "measured", "figures": figures,
+                "detail": f"{what}: peaks (reserved) measured with 1 and 2 layers at {lengths_[0]} and {lengths_[1]} "
+                          f"tokens, extrapolated to {n_layers} layers and to {usable / gib:.0f} GiB; target {target}: "
+                          f"{'met' if met else 'not met'} by this extrapolation"}
+
+    return run
+
+
+K = 1024
+BENCH_CASES = [
+    Case("bench_attention", bench_attention_case, 120, 10),
+    *[Case(f"8b_128k_sim8_{'compile' if c else 'eager'}_{p}_{ac}",
+           train_cell(os.path.join(CONFIGS, "llama3_8b_128k.toml"), c, p, ac, SIM8, 128 * K), 110, 10)
+      for c, p, ac in ((True, "bf16", "selective"), (True, "float8", "selective"), (True, "bf16", "full"),
+                       (True, "bf16", "full_offload"))],
+    *[Case(f"1b_32k_{'compile' if c else 'eager'}_{p}_{ac}",
+           train_cell(os.path.join(CONFIGS, "llama3_1b_long.toml"), c, p, ac,
+                      ["--parallelism.ulysses_degree", "1"], 32 * K), 60, 10)
+      for c, p, ac in ((True, "bf16", "selective"), (True, "float8", "selective"), (False, "bf16", "selective"))],
+]
+LIMIT_CASES = [
+    *[Case(f"estimate_validate_8b_{s // K}k", estimate_validate(s), 60, 10) for s in (32 * K, 64 * K, 128 * K)],
+    Case("longest_1b_one_gpu", longest("llama3_1b_long.toml", ["--parallelism.ulysses_degree", "1"],
+                                       (512 * K, 1024 * K), 1024 * K, "1B shape, one GPU, full_offload"), 150, 20),
+    Case("longest_8b_sim_rank8", longest("llama3_8b_128k.toml", SIM8, (512 * K, 1024 * K), 3_700_000,
+                                         "Llama-3-8B, simulated rank of sp=8, full_offload"), 150, 20),
+]

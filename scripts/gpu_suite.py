@@ -1,0 +1,147 @@
+"""The GPU suite: every CUDA path checked and every performance target measured, in three parts.
+
+    bash scripts/gpu_wheels.sh                      # here, once: wheels the GPU machine lacks -> .whl/
+    python scripts/gpu_suite.py --part correctness --out DIR
+    python scripts/gpu_suite.py --part bench --out DIR
+    python scripts/gpu_suite.py --part limits --out DIR
+    python scripts/gpu_suite.py --part all --dry-run --out DIR     # every case at toy size on CPU (CI)
+
+Each part runs its cases in order of importance within ``--budget`` seconds (default 500,
+so that a part ends inside a 10-minute GPU session with start-up to spare): a case whose
+estimated time no longer fits is skipped and reported as skipped, never silently left
+out. After every case the part rewrites ``DIR/<part>.json`` (so a killed run keeps what it
+measured) and ``DIR/<part>.md``, a table to paste into docs/benchmarks.md.
+
+A case reports ``pass`` / ``fail`` (a check with a stated tolerance), ``measured`` (a
+figure with no pass/fail), ``skipped`` (with the reason) or ``error`` (the exception: a
+bug to fix). The cases live in ``_gpu_correctness.py`` and ``_gpu_perf.py`` beside this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _gpu_common import Case, Context, Skip  # noqa: E402
+
+
+def device_line(device: torch.device) -> str:
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return (f"{p.name} ({p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}), torch {torch.__version__}, "
+                f"CUDA {torch.version.cuda}, Python {platform.python_version()}")
+    return f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_cell(x)}" for k, x in v.items())
+    return str(v)
+
+
+def markdown(part: str, header: dict, results: list[dict]) -> str:
+    lines = [f"### GPU suite, part `{part}`", "",
+             f"Device: {header['device']}. Command: `{header['command']}`. "
+             f"Budget {header['budget_s']:.0f} s, used {header.get('elapsed_s', 0):.0f} s.", "",
+             "| case | status | s | figures | detail |", "| --- | --- | --- | --- | --- |"]
+    for r in results:
+        figures = _cell(r.get("figures", {})).replace("|", "/")
+        detail = str(r.get("detail", "")).replace("|", "/").replace("\n", " ")[:300]
+        lines.append(f"| {r['name']} | {r['status']} | {r['seconds']:.0f} | {figures} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_part(part: str, cases: list[Case], ctx: Context, header: dict) -> list[dict]:
+    start = time.monotonic()
+
+    def write():
+        header["elapsed_s"] = time.monotonic() - start
+        with open(os.path.join(ctx.out, f"{part}.json"), "w") as f:
+            json.dump({**header, "results": ctx.results}, f, indent=1)
+        with open(os.path.join(ctx.out, f"{part}.md"), "w") as f:
+            f.write(markdown(part, header, ctx.results))
+
+    for case in cases:
+        est = case.dry_est_s if ctx.dry_run else case.est_s
+        t0 = time.monotonic()
+        if ctx.remaining() < est:
+            row = {"name": case.name, "status": "skipped",
+                   "detail": f"budget: {ctx.remaining():.0f} s left, the case needs about {est:.0f} s"}
+        else:
+            try:
+                row = {"name": case.name, **case.fn(ctx)}
+            except Skip as e:
+                row = {"name": case.name, "status": "skipped", "detail": str(e)}
+            except Exception as e:  # a case's bug must not cost the rest of the part
+                tb = traceback.format_exc()
+                print(tb, file=sys.stderr, flush=True)
+                row = {"name": case.name, "status": "error",
+                       "detail": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+            finally:
+                if ctx.cuda:
+                    torch.cuda.empty_cache()
+        row["seconds"] = time.monotonic() - t0
+        ctx.results.append(row)
+        print(f"[{part}] {row['name']}: {row['status']} ({row['seconds']:.0f} s) "
+              f"{_cell(row.get('figures', {}))} {row.get('detail', '')}", flush=True)
+        write()
+    write()
+    return ctx.results
+
+
+def parts() -> dict[str, list[Case]]:
+    import _gpu_correctness
+    import _gpu_perf
+
+    return {"correctness": _gpu_correctness.CASES, "bench": _gpu_perf.BENCH_CASES, "limits": _gpu_perf.LIMIT_CASES}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", choices=["correctness", "bench", "limits", "all"])
+    p.add_argument("--out", default="outputs/gpu_suite")
+    p.add_argument("--budget", type=float, default=500.0, help="seconds per part")
+    p.add_argument("--dry-run", action="store_true", help="toy sizes on CPU: checks that every case runs")
+    p.add_argument("--only", default="", help="comma-separated case names (default: all of the part)")
+    p.add_argument("--trial", default="", help=argparse.SUPPRESS)  # internal: one memory trial (see _gpu_perf)
+    a = p.parse_args(argv)
+    if a.trial:
+        import _gpu_perf
+
+        return _gpu_perf.trial_main(json.loads(a.trial))
+    if not a.part:
+        p.error("--part is required")
+    if not a.dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: the suite measures GPUs; use --dry-run to check it on CPU")
+    device = torch.device("cpu") if a.dry_run else torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.makedirs(a.out, exist_ok=True)
+    chosen = list(parts()) if a.part == "all" else [a.part]
+    only = set(filter(None, a.only.split(",")))
+    failed = False
+    for part in chosen:
+        cases = [c for c in parts()[part] if not only or c.name in only]
+        ctx = Context(device=device, dry_run=a.dry_run, out=a.out, deadline=time.monotonic() + a.budget)
+        header = {"part": part, "device": device_line(device), "dry_run": a.dry_run, "budget_s": a.budget,
+                  "command": "python scripts/gpu_suite.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "date": time.strftime("%Y-%m-%d")}
+        print(f"[{part}] device: {header['device']}{' (dry run, toy sizes)' if a.dry_run else ''}", flush=True)
+        results = run_part(part, cases, ctx, header)
+        failed |= any(r["status"] in ("fail", "error") for r in results)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
