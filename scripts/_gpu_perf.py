@@ -121,7 +121,8 @@ def estimate_validate(seq_len: int):
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=ctx.timeout(240))
         if proc.returncode:
             return {"status": "fail", "detail": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-300:]}"}
-        v = json.loads(proc.stdout[proc.stdout.index("{"):])["validation"]
+        out = "\n" + proc.stdout  # on CUDA the trainer prints its start-up line first
+        v = json.loads(out[out.rindex("\n{") + 1:])["validation"]
         err = v["error_pct"]
         return {"status": "pass" if abs(err) <= 15 else "fail",
                 "figures": {"estimated_gib": v["estimated"] / 2**30, "measured_gib": v["measured"] / 2**30,
@@ -154,8 +155,9 @@ def trial_main(spec: dict) -> int:
                 "document_ids": torch.zeros(1, s, dtype=torch.long)}
 
     t.train_step(iter([batch(spec["warm_len"])]))
-    if cuda:
+    if cuda:  # what the warm-up left cached would otherwise hide the step's own peak
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
@@ -202,18 +204,20 @@ def longest(config_name: str, extra: list[str], lengths: tuple[int, int], target
         for s in lengths_:
             for layers in (1, 2):
                 r = _trial(ctx, config, overrides, layers, s, warm)
+                so_far = {f"peak_gib_{k[0] // 1024}K_{k[1]}L": v / 2**30 for k, v in peaks.items()}
                 if "error" in r:
-                    return {"status": "fail", "detail": f"trial {layers} layer(s) at {s}: {r['error']}"}
+                    return {"status": "fail", "figures": so_far, "detail": f"trial {layers} layer(s) at {s}: {r['error']}"}
                 if r.get("oom"):
-                    return {"status": "measured", "detail": f"out of memory with {layers} layer(s) at {s} tokens"}
-                peaks[(s, layers)] = r["peak_reserved"] if ctx.cuda else 1.0 * layers * s
+                    return {"status": "measured", "figures": so_far,
+                            "detail": f"out of memory with {layers} layer(s) at {s} tokens"}
+                peaks[(s, layers)] = r["peak_allocated"] if ctx.cuda else 1.0 * layers * s
                 steps[(s, layers)] = r["step_s"]
         # peak(S, L) = a(S) + (L - 1) * b(S), with a and b linear in S
         full = {s: peaks[(s, 1)] + (n_layers - 1) * (peaks[(s, 2)] - peaks[(s, 1)]) for s in lengths_}
         s0, s1 = lengths_
         slope = (full[s1] - full[s0]) / (s1 - s0)
         device = torch.cuda.get_device_properties(0).total_memory if ctx.cuda else 64 * 2**30
-        usable = device - 2 * 2**30  # CUDA context and NCCL buffers beside the allocator
+        usable = device - 4 * 2**30  # CUDA context, NCCL buffers and fragmentation beside the peak
         best = int(s1 + (usable - full[s1]) / slope) if slope > 0 else None
         gib = 2**30
         figures = {f"peak_gib_{s // 1024}K_{n_layers}L": full[s] / gib for s in lengths_}
@@ -221,7 +225,7 @@ def longest(config_name: str, extra: list[str], lengths: tuple[int, int], target
         figures["longest_tokens"] = best
         met = best is not None and best >= target
         return {"status": "measured", "figures": figures,
-                "detail": f"{what}: peaks (reserved) measured with 1 and 2 layers at {lengths_[0]} and {lengths_[1]} "
+                "detail": f"{what}: peaks (allocated) measured with 1 and 2 layers at {lengths_[0]} and {lengths_[1]} "
                           f"tokens, extrapolated to {n_layers} layers and to {usable / gib:.0f} GiB; target {target}: "
                           f"{'met' if met else 'not met'} by this extrapolation"}
 
@@ -241,9 +245,9 @@ BENCH_CASES = [
       for c, p, ac in ((True, "bf16", "selective"), (True, "float8", "selective"), (False, "bf16", "selective"))],
 ]
 LIMIT_CASES = [
-    *[Case(f"estimate_validate_8b_{s // K}k", estimate_validate(s), 60, 10) for s in (32 * K, 64 * K, 128 * K)],
+    *[Case(f"estimate_validate_8b_{s // K}k", estimate_validate(s), 20, 10) for s in (32 * K, 64 * K, 128 * K)],
     Case("longest_1b_one_gpu", longest("llama3_1b_long.toml", ["--parallelism.ulysses_degree", "1"],
-                                       (512 * K, 1024 * K), 1024 * K, "1B shape, one GPU, full_offload"), 150, 20),
+                                       (512 * K, 1024 * K), 1024 * K, "1B shape, one GPU, full_offload"), 130, 20),
     Case("longest_8b_sim_rank8", longest("llama3_8b_128k.toml", SIM8, (512 * K, 1024 * K), 3_700_000,
-                                         "Llama-3-8B, simulated rank of sp=8, full_offload"), 150, 20),
+                                         "Llama-3-8B, simulated rank of sp=8, full_offload"), 100, 20),
 ]

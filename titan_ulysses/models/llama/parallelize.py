@@ -54,7 +54,10 @@ def parallelize_llama(
         apply_compile(model)
     if options.ac_mode == "full_offload":
         apply_activation_offload(model)  # outside the compiled region
-    if parallel_dims.fsdp_enabled:
+    # FSDP2 is what casts parameters to param_dtype for compute, so a single rank with bf16
+    # compute is wrapped too (over a mesh of one); otherwise it would silently train in fp32.
+    single_rank_mixed = options.param_dtype != torch.float32 and not parallel_dims.tp_enabled
+    if parallel_dims.fsdp_enabled or single_rank_mixed:
         apply_fsdp(model, parallel_dims.get_mesh("fsdp"), options.param_dtype, options.reduce_dtype,
                    cpu_offload=options.cpu_offload)
     return model

@@ -1,0 +1,81 @@
+"""The GPU suite's dry run (toy sizes on CPU) runs every case function, so the suite cannot rot
+between the rare sessions that have a GPU; and what its first GPU run found stays fixed."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One case for each case function, the others differ only in their arguments; except
+# checkpoint_async_pinned_resume and compile_memory_switches, which run train.py through the
+# same helper as trainer_1b_sp1 and float8_rowwise (their paths have their own tests on CPU:
+# test_checkpoint.py, test_compile.py) and would add three minutes to CI.
+DRY = {
+    "correctness": ["attn_sdpa_flash", "attn_sdpa_cudnn", "attn_sdpa_docmask", "attn_flex_docmask",
+                    "attn_flash_attn_pkg", "multiprocess_one_gpu", "full_offload_equals_full",
+                    "float8_rowwise", "trainer_1b_sp1"],
+    "bench": ["bench_attention", "8b_128k_sim8_compile_bf16_full"],
+    "limits": ["estimate_validate_8b_32k", "longest_1b_one_gpu"],
+}
+# CUDA-only kernels and packages the CPU machine lacks: the only skips a dry run may report
+MAY_SKIP = {"attn_sdpa_cudnn": "CUDA kernel", "attn_flash_attn_pkg": "not installed"}
+
+
+def test_dry_run_runs_every_case_function(tmp_path):
+    for part, names in DRY.items():
+        proc = subprocess.run(
+            [sys.executable, "scripts/gpu_suite.py", "--part", part, "--dry-run", "--out", str(tmp_path),
+             "--budget", "900", "--only", ",".join(names)],
+            cwd=ROOT, capture_output=True, text=True, timeout=900,
+        )
+        report = json.loads((tmp_path / f"{part}.json").read_text())
+        rows = {r["name"]: r for r in report["results"]}
+        assert sorted(rows) == sorted(names), proc.stderr[-2000:]
+        for name, row in rows.items():
+            if name in MAY_SKIP:
+                assert row["status"] == "skipped" and MAY_SKIP[name] in row["detail"], row
+            else:
+                assert row["status"] in ("pass", "measured"), (row, proc.stderr[-3000:])
+        assert proc.returncode == 0
+        table = (tmp_path / f"{part}.md").read_text()
+        assert all(f"| {name} |" in table for name in names) and "CPU" in report["device"]
+
+
+def test_suite_refuses_to_measure_without_a_gpu():
+    if torch.cuda.is_available():
+        return
+    proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--part", "bench", "--out", "/tmp/x"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "no CUDA device" in proc.stderr
+
+
+def _one_rank_computes_in_bf16():
+    from model_harness import small_args
+
+    from titan_ulysses.distributed.parallel_dims import ParallelDims
+    from titan_ulysses.models.llama.model import Transformer
+    from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+
+    pd = ParallelDims(world_size=dist.get_world_size())
+    pd.build_mesh("cpu")
+    seen = []
+    for dtype in (torch.bfloat16, torch.float32):
+        model = Transformer(small_args())
+        model.init_weights()
+        parallelize_llama(model, pd, ParallelizeOptions(param_dtype=dtype))
+        hook = model.layers["0"].feed_forward.w1.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        model(torch.randint(0, 64, (1, 8)))
+        hook.remove()
+    # the first GPU run found one-GPU jobs training in fp32 whatever mixed_precision_param said
+    assert seen == [torch.bfloat16, torch.float32]
+
+
+def test_one_rank_honours_mixed_precision_param():
+    run_distributed(_one_rank_computes_in_bf16, 1)
