@@ -15,7 +15,13 @@ from titan_ulysses.checkpoint.hf import load_hf_weights
 from titan_ulysses.checkpoint.hf_export import write_model_record
 from titan_ulysses.checkpoint.manager import CheckpointManager, complete_steps
 from titan_ulysses.config.job_config import JobConfig
-from titan_ulysses.config.manager import ConfigError, float8_options, resolved_global_batch_size, validate
+from titan_ulysses.config.manager import (
+    ConfigError,
+    check_files,
+    float8_options,
+    resolved_global_batch_size,
+    validate,
+)
 from titan_ulysses.data.datasets import build_dataset
 from titan_ulysses.data.loader import build_dataloader
 from titan_ulysses.data.sharding import shard_batch
@@ -105,6 +111,7 @@ class Trainer:
         self.config = config
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.parallel_dims: ParallelDims = validate(config, world_size)  # before any process group work
+        check_files(config)
         self.fake = config.comm.mode == "fake"
         self.device = init_distributed(config.comm.fake_world_size if self.fake else 0)
         if self.device.type == "cpu" and config.model.attn_backend != "sdpa":

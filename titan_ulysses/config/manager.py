@@ -153,7 +153,6 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp)
     except ValueError as e:
         raise ConfigError(f"parallelism.ulysses_degree / tensor_parallel_degree: {e} ({source})") from e
-    _check_files(config, args)
     for key, value in (("training.seq_len", t.seq_len), ("training.local_batch_size", t.local_batch_size),
                        ("training.steps", t.steps), ("optimizer.lr", config.optimizer.lr),
                        ("checkpoint.interval", config.checkpoint.interval), ("metrics.log_freq", config.metrics.log_freq)):
@@ -172,6 +171,18 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
             f"training.global_batch_size {gbs} must be a positive multiple of training.local_batch_size x dp = "
             f"{t.local_batch_size} x {dp} = {t.local_batch_size * dp}"
         )
+    if config.model.tokenizer == "tiktoken" and not config.model.tokenizer_path:
+        raise ConfigError("model.tokenizer 'tiktoken' needs model.tokenizer_path (a Llama-3 tokenizer.model file)")
+    m, c = config.model, config.checkpoint
+    if m.tokenizer == "hf" and not (m.tokenizer_path or m.hf_assets_path):
+        raise ConfigError("model.tokenizer 'hf' needs model.hf_assets_path (or model.tokenizer_path): the folder "
+                          "with tokenizer.json")
+    if c.initial_load_in_hf and not m.hf_assets_path:
+        raise ConfigError("checkpoint.initial_load_in_hf needs model.hf_assets_path (the folder whose weights "
+                          "the run starts from)")
+    if c.initial_load_in_hf and c.initial_load_path:
+        raise ConfigError("checkpoint.initial_load_in_hf and checkpoint.initial_load_path both name the start "
+                          "weights; set one")
     if t.dataset == "text" and not t.dataset_path:
         raise ConfigError("training.dataset 'text' needs training.dataset_path (a file or a folder of .txt/.jsonl/.parquet)")
     if config.lr_scheduler.warmup_steps < 0:
@@ -205,28 +216,22 @@ def _model_args(config: JobConfig):
         raise ConfigError(f"model.hf_assets_path: {e}") from e
 
 
-def _check_files(config: JobConfig, args) -> None:
-    """Every file a setting names exists and fits the model: one line naming the setting, before any weight is read."""
+def check_files(config: JobConfig) -> None:
+    """Every file a setting names exists and fits the model: one line naming the setting, before any weight is read.
+
+    Separate from ``validate`` (which tools such as estimate_memory run on machines without
+    the data); the trainer runs both before any process group starts.
+    """
     m, c = config.model, config.checkpoint
-    if m.tokenizer == "tiktoken" and not m.tokenizer_path:
-        raise ConfigError("model.tokenizer 'tiktoken' needs model.tokenizer_path (a Llama-3 tokenizer.model file)")
+    args = _model_args(config)
     if m.tokenizer == "tiktoken" and not os.path.isfile(m.tokenizer_path):
         raise ConfigError(f"model.tokenizer_path {m.tokenizer_path!r} is not a file (a Llama-3 tokenizer.model)")
     if m.tokenizer == "hf":
-        if not (m.tokenizer_path or m.hf_assets_path):
-            raise ConfigError("model.tokenizer 'hf' needs model.hf_assets_path (or model.tokenizer_path): the folder "
-                              "with tokenizer.json")
         try:
             hf_tokenizer_file(m.tokenizer_path or m.hf_assets_path)
         except FileNotFoundError as e:
             raise ConfigError(f"model.{'tokenizer_path' if m.tokenizer_path else 'hf_assets_path'}: {e}") from e
     if c.initial_load_in_hf:
-        if not m.hf_assets_path:
-            raise ConfigError("checkpoint.initial_load_in_hf needs model.hf_assets_path (the folder whose weights "
-                              "the run starts from)")
-        if c.initial_load_path:
-            raise ConfigError("checkpoint.initial_load_in_hf and checkpoint.initial_load_path both name the start "
-                              "weights; set one")
         try:
             check_hf_weights(m.hf_assets_path, args)
         except (OSError, ValueError) as e:
