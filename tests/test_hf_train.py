@@ -80,6 +80,12 @@ def test_continue_training_export_round_trip(trained, tmp_path):
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert abs(losses[0] - hf_first_loss) <= 1e-5 * hf_first_loss, (losses, hf_first_loss)
 
+    # rerunning resumes from the run's own checkpoint, not from the folder
+    proc = subprocess.run([*cmd[:-6], "--training.steps", "3", *cmd[-4:]], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "starting at step 2" in proc.stdout and "weights from its safetensors" not in proc.stdout
+
     step = run / "checkpoint" / "step-2"
     assert (step / "model_args.json").exists() and (step / "hf_assets" / "tokenizer.json").exists()
     out = tmp_path / "export"
