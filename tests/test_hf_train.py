@@ -50,9 +50,10 @@ def trained(tmp_path_factory):
         for name, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else 0.05 * torch.randn_like(p))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batches = _data(folder, seed=7)
-    for _ in range(150):
-        loss = _hf_loss(model, next(batches))
+    data = _data(folder, seed=7)
+    batches = [next(data) for _ in range(8)]  # cycled: the model's steps, not data making, take the time
+    for i in range(60):  # loss 5.8 -> about 0.4: far from any random init, cheap on 2 shared cores
+        loss = _hf_loss(model, batches[i % len(batches)])
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -65,7 +66,7 @@ def trained(tmp_path_factory):
 
 def test_continue_training_export_round_trip(trained, tmp_path):
     folder, hf_model, hf_first_loss = trained
-    assert hf_first_loss < 2.0  # trained: a random init is at ln(320) = 5.8
+    assert hf_first_loss < 1.0  # trained: a random init is at ln(320) = 5.8
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
            "--model.hf_assets_path", folder, "--model.tokenizer", "hf", "--checkpoint.initial_load_in_hf", "true",
