@@ -112,3 +112,26 @@ def test_single_process_load_without_fsdp(folders):
     load_hf_weights(model, folder)
     with torch.no_grad():
         assert_close(model(ref["inputs"]), ref["logits"], "qwen3 logits, one process")
+
+
+@pytest.mark.parametrize("name", ["qwen3-tied-headdim", "qwen2-bias"])
+def test_export_of_each_family_loads_in_transformers(folders, name, tmp_path):
+    """HF folder -> our model -> DCP checkpoint with its record -> export -> transformers: the same logits."""
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    from titan_ulysses.checkpoint.hf_export import export_hf, write_model_record
+
+    folder = folders[name]
+    model = Transformer(load_hf_args(folder))
+    load_hf_weights(model, folder)
+    step = str(tmp_path / "step-1")
+    dcp.save({"model": model.state_dict()}, checkpoint_id=step, no_dist=True)
+    write_model_record(step, model.args, folder)
+    export_hf(step, None, str(tmp_path / "out"), torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    hf.config._attn_implementation = "eager"
+    assert type(hf).__name__ == {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[name[:5]]
+    ref = torch.load(os.path.join(os.path.dirname(folder), f"{name}.ref.pt"))
+    with torch.no_grad():
+        assert_close(hf(ref["inputs"]).logits, ref["logits"], f"{name} exported logits")

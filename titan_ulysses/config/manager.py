@@ -138,6 +138,9 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
             raise ConfigError(f"comm.fake_world_size {config.comm.fake_world_size} must be >= 1")
         if config.checkpoint.enable:
             raise ConfigError("checkpoint.enable must be false with comm.mode 'fake' (its weights are not real)")
+        if config.checkpoint.initial_load_in_hf:
+            raise ConfigError("checkpoint.initial_load_in_hf must be false with comm.mode 'fake' (a fake process "
+                              "group cannot load real weights; the architecture still comes from model.hf_assets_path)")
         world_size = config.comm.fake_world_size
     try:
         dims = ParallelDims(
