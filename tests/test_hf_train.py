@@ -158,17 +158,35 @@ def test_help_lists_sections_keys_defaults_and_docstrings(capsys):
     assert "--checkpoint.initial_load_in_hf False" in out and "(one of byte, tiktoken, hf)" in out
 
 
-def _refusal(argv, world=2):
-    with pytest.raises(ConfigError) as e:
-        config = load_config(argv)
-        validate(config, world)
-        check_files(config)
-    message = str(e.value)
-    assert "\n" not in message
-    return message
+@pytest.fixture
+def refusal(capsys, monkeypatch):
+    """``train.main(argv)`` must exit 2 with one line on stderr, without reading any weight; returns the line."""
+    import torch.distributed.checkpoint as dcp
+
+    sys.path.insert(0, ROOT)
+    import train
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read before the configuration was refused")
+
+    monkeypatch.setattr(dcp, "load", no_weights)
+    monkeypatch.setattr("titan_ulysses.checkpoint.hf.load_hf_weights", no_weights)
+
+    def run(argv):
+        with pytest.raises(ConfigError):  # the same error from the checks alone, as estimate_memory / tests use them
+            config = load_config(argv)
+            validate(config, 1)
+            check_files(config)
+        capsys.readouterr()
+        assert train.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("config error: "), err
+        return err[0][len("config error: "):]
+
+    return run
 
 
-def test_refusals_name_the_setting_before_any_weight_is_read(trained, tmp_path):
+def test_refusals_name_the_setting_before_any_weight_is_read(trained, tmp_path, refusal):
     import torch.distributed.checkpoint as dcp
 
     from model_harness import small_args
@@ -178,7 +196,7 @@ def test_refusals_name_the_setting_before_any_weight_is_read(trained, tmp_path):
     hf = ["--model.hf_assets_path"]
     sw = str(tmp_path / "sw")
     make_hf_model(sw, "qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0))
-    assert "model.hf_assets_path: use_sliding_window true (sliding_window 16)" in _refusal(hf + [sw])
+    assert "model.hf_assets_path: use_sliding_window true (sliding_window 16)" in refusal(hf + [sw])
     for name, cfg, message in [
         ("moe", {"model_type": "qwen3_moe", "num_experts": 8}, "model_type 'qwen3_moe' is a mixture-of-experts model"),
         ("mistral", {"model_type": "mistral"}, "model_type 'mistral' is not supported"),
@@ -192,11 +210,11 @@ def test_refusals_name_the_setting_before_any_weight_is_read(trained, tmp_path):
         base = json.loads(open(os.path.join(folder, "config.json")).read())
         (tmp_path / name / "config.json").write_text(json.dumps({k: v for k, v in {**base, **cfg}.items()
                                                                  if v is not None}))
-        assert message in _refusal(hf + [str(tmp_path / name)]), name
-    assert f"model.hf_assets_path: '{tmp_path}' has no config.json" in _refusal(hf + [str(tmp_path)])
+        assert message in refusal(hf + [str(tmp_path / name)]), name
+    assert f"model.hf_assets_path: '{tmp_path}' has no config.json" in refusal(hf + [str(tmp_path)])
     plain = str(tmp_path / "plain")  # a model folder without tokenizer.json
     make_hf_model(plain, "qwen3", {})
-    assert _refusal(hf + [plain, "--model.tokenizer", "hf"]) == (
+    assert refusal(hf + [plain, "--model.tokenizer", "hf"]) == (
         f"model.hf_assets_path: no tokenizer.json at '{plain}/tokenizer.json'")
     # config.json and the weights disagree (a shape changed by hand): refused from the headers alone
     bad = tmp_path / "bad"
@@ -207,11 +225,11 @@ def test_refusals_name_the_setting_before_any_weight_is_read(trained, tmp_path):
     cfg = json.loads(open(os.path.join(folder, "config.json")).read())
     (bad / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
     assert "'model.layers.0.mlp.gate_proj.weight' has shape [128, 64] in the safetensors files but [96, 64]" in (
-        _refusal(hf + [str(bad), "--checkpoint.initial_load_in_hf", "true"]))
+        refusal(hf + [str(bad), "--checkpoint.initial_load_in_hf", "true"]))
     # a checkpoint of one shape as the start of a run of another
     ckpt = tmp_path / "ckpt"
     dcp.save({"model": Transformer(small_args()).state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
-    msg = _refusal(["--model.flavor", "debugmodel", "--checkpoint.initial_load_path", str(ckpt)])
+    msg = refusal(["--model.flavor", "debugmodel", "--checkpoint.initial_load_path", str(ckpt)])
     assert msg.startswith("checkpoint.initial_load_path: the checkpoint does not match the model arguments")
 
 
