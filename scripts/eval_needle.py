@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         pd = validate(config, world)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from e
-    tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path)
+    tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path or config.model.hf_assets_path)
     digits = config.training.passkey_digits
     for length in a.lengths:  # refuse a too-short length before any process group
         try:

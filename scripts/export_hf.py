@@ -1,43 +1,69 @@
-"""Export a titan-ulysses checkpoint to Hugging Face Llama format.
+"""Export a titan-ulysses checkpoint to a Hugging Face model folder (Llama, Qwen2, Qwen3).
 
-    python scripts/export_hf.py --checkpoint outputs/needle_demo/checkpoint/step-400 \
-        --flavor debugmodel --output outputs/needle_demo/hf [--dtype bfloat16]
+    python scripts/export_hf.py --checkpoint outputs/needle_demo/checkpoint/step-400 \\
+        --output outputs/needle_demo/hf [--dtype bfloat16] [--max-shard-size 5GB]
 
-Pass the same --rope-theta / --rope-scaling-factor as model.rope_theta /
-model.rope_scaling_factor when the run overrode them (context extension).
+Every checkpoint records the model arguments it was trained with (``model_args.json``)
+and, for runs started from a Hugging Face folder, that folder's config.json and tokenizer
+files (``hf_assets/``): the export is then a complete folder that
+``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` load. Weights above
+--max-shard-size are split into ``model-0000i-of-0000n.safetensors`` with an index.
+
+Checkpoints written before the record existed: pass --flavor (and --rope-theta /
+--rope-scaling-factor when the run overrode model.rope_theta / model.rope_scaling_factor).
 """
 
 import argparse
 import dataclasses
+import re
 import sys
 
 import torch
 
-from titan_ulysses.checkpoint.hf import export_hf
+from titan_ulysses.checkpoint.hf_export import export_hf
 from titan_ulysses.models.llama.args import RopeScaling, get_flavor
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5e9 bytes (Hugging Face's units: KB/MB/GB are powers of 10, KiB/MiB/GiB of 2)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"--max-shard-size {text!r}: use e.g. 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="a step-N checkpoint folder")
-    parser.add_argument("--flavor", required=True, help="model.flavor of the run")
-    parser.add_argument("--output", required=True, help="folder for config.json and model.safetensors")
+    parser.add_argument("--output", required=True, help="the Hugging Face folder to write")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--rope-theta", type=float, default=0.0, help="model.rope_theta when the run overrode it")
+    parser.add_argument("--max-shard-size", type=parse_size, default="5GB",
+                        help="largest safetensors file; above it the weights are sharded with an index (default 5GB)")
+    parser.add_argument("--flavor", default="", help="model.flavor, only for checkpoints without model_args.json")
+    parser.add_argument("--rope-theta", type=float, default=0.0, help="with --flavor: model.rope_theta of the run")
     parser.add_argument("--rope-scaling-factor", type=float, default=0.0,
-                        help="model.rope_scaling_factor when the run overrode it")
+                        help="with --flavor: model.rope_scaling_factor of the run")
     parser.add_argument("--max-position-embeddings", type=int, default=131072,
-                        help="max_position_embeddings written to config.json")
+                        help="max_position_embeddings written to config.json (the source folder's value wins)")
     a = parser.parse_args(argv)
-    args = get_flavor(a.flavor)
-    if a.rope_theta > 0:
-        args = dataclasses.replace(args, rope_theta=a.rope_theta)
-    if a.rope_scaling_factor > 0:
-        args = dataclasses.replace(
-            args, rope_scaling=dataclasses.replace(args.rope_scaling or RopeScaling(), factor=a.rope_scaling_factor)
-        )
-    export_hf(a.checkpoint, args, a.output, getattr(torch, a.dtype), a.max_position_embeddings)
-    print(f"wrote {a.output}/config.json and {a.output}/model.safetensors")
+    args = None
+    if a.flavor:
+        args = get_flavor(a.flavor)
+        if a.rope_theta > 0:
+            args = dataclasses.replace(args, rope_theta=a.rope_theta)
+        if a.rope_scaling_factor > 0:
+            args = dataclasses.replace(
+                args, rope_scaling=dataclasses.replace(args.rope_scaling or RopeScaling(), factor=a.rope_scaling_factor)
+            )
+    try:
+        written = export_hf(a.checkpoint, args, a.output, getattr(torch, a.dtype), a.max_position_embeddings,
+                            a.max_shard_size)
+    except (OSError, ValueError) as e:
+        print(f"export_hf: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {a.output}: {', '.join(written)}")
     return 0
 
 

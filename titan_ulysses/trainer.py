@@ -11,9 +11,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from titan_ulysses.checkpoint.manager import CheckpointManager
+from titan_ulysses.checkpoint.hf import load_hf_weights
+from titan_ulysses.checkpoint.hf_export import write_model_record
+from titan_ulysses.checkpoint.manager import CheckpointManager, complete_steps
 from titan_ulysses.config.job_config import JobConfig
-from titan_ulysses.config.manager import ConfigError, float8_options, resolved_global_batch_size, validate
+from titan_ulysses.config.manager import (
+    ConfigError,
+    check_files,
+    float8_options,
+    resolved_global_batch_size,
+    validate,
+)
 from titan_ulysses.data.datasets import build_dataset
 from titan_ulysses.data.loader import build_dataloader
 from titan_ulysses.data.sharding import shard_batch
@@ -24,6 +32,7 @@ from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, global_to
 from titan_ulysses.metrics.comm import ulysses_bytes_per_step
 from titan_ulysses.metrics.flops import flops_per_token, peak_flops
 from titan_ulysses.metrics.logger import MetricsLogger, max_memory_gib
+from titan_ulysses.models.hf_config import describe, load_hf_args
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling, get_flavor
 from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
@@ -42,11 +51,12 @@ class NonFiniteLossError(RuntimeError):
 
 def model_args(config: JobConfig, vocab_size: int) -> LlamaArgs:
     m = config.model
-    args = get_flavor(m.flavor, attn_backend=m.attn_backend)
+    if m.hf_assets_path:
+        args, source = load_hf_args(m.hf_assets_path, attn_backend=m.attn_backend), "model.hf_assets_path"
+    else:
+        args, source = get_flavor(m.flavor, attn_backend=m.attn_backend), f"model.flavor {m.flavor!r}"
     if vocab_size > args.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {vocab_size} ids but model.flavor {m.flavor!r} has vocab_size {args.vocab_size}"
-        )
+        raise ValueError(f"the tokenizer has {vocab_size} ids but {source} has vocab_size {args.vocab_size}")
     overrides = {"loss_chunk_size": m.loss_chunk_size, "mlp_tile_size": m.mlp_tile_size}
     if m.rope_theta > 0:
         overrides["rope_theta"] = m.rope_theta
@@ -101,6 +111,7 @@ class Trainer:
         self.config = config
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.parallel_dims: ParallelDims = validate(config, world_size)  # before any process group work
+        check_files(config)
         self.fake = config.comm.mode == "fake"
         self.device = init_distributed(config.comm.fake_world_size if self.fake else 0)
         if self.device.type == "cpu" and config.model.attn_backend != "sdpa":
@@ -119,7 +130,7 @@ class Trainer:
         dp_mesh = pd.get_mesh("dp")
         self.global_batch_size = resolved_global_batch_size(config, pd.size("dp"))
         self.accumulation_steps = self.global_batch_size // (t.local_batch_size * pd.size("dp"))
-        self.tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path)
+        self.tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path or config.model.hf_assets_path)
         dataset = build_dataset(t.dataset, t.dataset_path, self.tokenizer, t.seq_len, t.seed, t.passkey_digits)
         self.dataloader = build_dataloader(
             dataset, global_batch_size=self.global_batch_size, local_batch_size=t.local_batch_size,
@@ -140,7 +151,14 @@ class Trainer:
         self.float8 = options.float8
         self.model = parallelize_llama(model, pd, options)
         self.model.to_empty(device=self.device)
-        init_weights(self.model, self.args, self.device, t.seed)
+        c = config.checkpoint
+        ckpt_folder = os.path.join(config.job.dump_folder, c.folder)
+        # a run started from Hugging Face weights that has no checkpoint of its own yet
+        hf_start = c.initial_load_in_hf and not (c.enable and complete_steps(ckpt_folder))
+        if hf_start:
+            self.model.init_buffers(self.device)  # every weight comes from the folder below
+        else:
+            init_weights(self.model, self.args, self.device, t.seed)
 
         o = config.optimizer
         # with CPU offload the optimizer steps on host-resident shards
@@ -150,13 +168,15 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, t.steps, s.warmup_steps, s.decay_ratio, s.decay_type, s.min_lr_factor
         )
-        c = config.checkpoint
         self.checkpointer = CheckpointManager(
-            folder=os.path.join(config.job.dump_folder, c.folder), model=self.model, optimizer=self.optimizer,
+            folder=ckpt_folder, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, enable=c.enable, interval=c.interval,
             async_mode=c.async_mode, keep_latest_k=c.keep_latest_k,
+            extras=lambda d: write_model_record(d, self.args, config.model.hf_assets_path),
         )
         self.step = self.checkpointer.load() if c.enable else 0
+        if hf_start:
+            load_hf_weights(self.model, config.model.hf_assets_path)
         if self.step == 0 and c.initial_load_path:
             if c.initial_load_model_only:
                 self.checkpointer.load_model_only(c.initial_load_path)
@@ -172,8 +192,12 @@ class Trainer:
         )
         self._preempted = False
         if self.rank == 0:
+            source = f"flavor {config.model.flavor}"
+            if config.model.hf_assets_path:
+                source = f"{describe(self.args)} (from {config.model.hf_assets_path}/config.json" + (
+                    "; weights from its safetensors)" if hf_start else ")")
             print(
-                f"titan-ulysses: {self.args.num_params() / 1e6:.1f}M params, flavor {config.model.flavor}, "
+                f"titan-ulysses: {self.args.num_params() / 1e6:.1f}M params, {source}, "
                 f"layout {pd.degrees}, global batch {self.global_batch_size} x {t.seq_len} tokens "
                 f"({self.accumulation_steps} microbatch(es)), device {self.device.type}, starting at step {self.step}"
                 + (f"\nFAKE process group: rank 0 of {dist.get_world_size()}; memory and compute are real, "

@@ -1,135 +1,93 @@
-"""Convert a DCP checkpoint's weights to Hugging Face Llama format (config.json + model.safetensors).
+"""Load a Hugging Face folder's safetensors into a parallelized model, each rank reading only its shards.
 
-Our RoPE rotates interleaved pairs ``(x[2i], x[2i+1])`` of each head; Hugging Face's
-rotates halves ``(x[i], x[i + Dh/2])``. The rows of wq and wk are permuted per head so
-that both conventions compute the same attention.
+The model's own sharded state dict (DTensors under FSDP2 / TP) is renamed to Hugging
+Face's names by the family's adapter (``hf_adapter.py``) and handed to
+``torch.distributed.checkpoint.load`` with its ``HuggingFaceStorageReader``: DCP plans,
+for every local shard, the slice of the stored tensor it covers, and the reader copies
+just that slice out of the memory-mapped file (converting bf16 -> fp32 on the way). No
+rank ever holds the full model. Most tensors are read straight into the parameters.
+The RoPE-ordered ones (q/k weights, biases, norm weights) are read into a buffer of the
+same sharding, gathered one tensor at a time, permuted into our layout and re-sliced
+locally: the transient peak is one full q projection, not the model.
+
+Export (the other direction) lives in ``hf_export.py``.
 """
 
 from __future__ import annotations
 
-import json
+import glob
 import os
-import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_ulysses.checkpoint.hf_adapter import (  # noqa: F401 (interleaved_to_halves: public here since export)
+    expected_hf_shapes,
+    halves_to_interleaved,
+    interleaved_to_halves,
+    name_map,
+)
+from titan_ulysses.checkpoint.hf_export import export_hf, hf_config, read_model_weights  # noqa: F401
 from titan_ulysses.models.llama.args import LlamaArgs
 
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
+
+def safetensors_shapes(folder: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the folder's ``*.safetensors`` (headers only, no data read)."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{folder!r} has no *.safetensors weights")
+    shapes = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
 
 
-def read_model_weights(checkpoint_dir: str) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model weights of a checkpoint, read without a process group."""
-    metadata = FileSystemReader(checkpoint_dir).read_metadata()
-    model = {
-        key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
-    }
-    if not model:
-        raise ValueError(f"{checkpoint_dir!r} holds no model weights")
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": model}, checkpoint_id=checkpoint_dir, no_dist=True)
-    return model
+def check_hf_weights(folder: str, args: LlamaArgs) -> None:
+    """Refuse (ValueError, one line) weights that are missing or shaped unlike ``args`` (from config.json)."""
+    found = safetensors_shapes(folder)
+    expected = expected_hf_shapes(args)
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise ValueError(f"{len(missing)} tensor(s) that config.json implies are not in the safetensors files, "
+                         f"e.g. {missing[0]!r}")
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise ValueError(f"{name!r} has shape {list(found[name])} in the safetensors files but "
+                             f"{list(shape)} by config.json")
 
 
-def interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's output rows of a q/k projection from RoPE pairs ``(2i, 2i+1)`` to ``(i, i+Dh/2)``.
-
-    Per head the rows become 0, 2, 4, ..., Dh-2, then 1, 3, ..., Dh-1: HF's ``rotate_half``
-    then rotates exactly the pairs our ``apply_rope`` rotates, at the same frequencies, and
-    q.k is unchanged because q and k are permuted alike.
-    """
-    rows, cols = w.shape
-    head_dim = rows // n_heads
-    return w.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+def _to_our_layout(buf: torch.Tensor, heads: int) -> torch.Tensor:
+    """A RoPE-ordered tensor read in Hugging Face's layout, in ours, with the same sharding."""
+    if not isinstance(buf, DTensor):
+        return halves_to_interleaved(buf, heads)
+    full = halves_to_interleaved(buf.full_tensor(), heads)
+    # every rank now holds the full tensor: take the local slice, no communication
+    return distribute_tensor(full, buf.device_mesh, buf.placements, src_data_rank=None)
 
 
-def _check_shapes(weights: dict[str, torch.Tensor], args: LlamaArgs) -> None:
-    from titan_ulysses.models.llama.model import Transformer
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, folder: str, thread_count: int = 1) -> None:
+    """Load the folder's weights into ``model`` (parallelized or not; ``model.args`` gives the family)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in weights.items()}
-    if expected != got:
-        missing = sorted(set(expected) - set(got))[:3]
-        extra = sorted(set(got) - set(expected))[:3]
-        shape = [k for k in expected.keys() & got.keys() if expected[k] != got[k]][:3]
-        raise ValueError(
-            f"the checkpoint does not match the model arguments given (flavor / overrides): "
-            f"missing {missing}, unexpected {extra}, other shapes {shape}"
-        )
-
-
-def to_hf_state_dict(weights: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
-    _check_shapes(weights, args)
-    out = {"model.embed_tokens.weight": weights["tok_embeddings.weight"], "model.norm.weight": weights["norm.weight"]}
-    if not args.tie_embeddings:
-        out["lm_head.weight"] = weights["output.weight"]
-    for layer in range(args.n_layers):
-        for ours, theirs in _LAYER_NAMES.items():
-            w = weights[f"layers.{layer}.{ours}"]
-            if ours == "attention.wq.weight":
-                w = interleaved_to_halves(w, args.n_heads)
-            elif ours == "attention.wk.weight":
-                w = interleaved_to_halves(w, args.n_kv_heads)
-            out[f"model.layers.{layer}.{theirs}"] = w
-    return out
-
-
-def hf_config(args: LlamaArgs, dtype: torch.dtype, max_position_embeddings: int = 131072) -> dict:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "num_hidden_layers": args.n_layers,
-        "head_dim": args.head_dim,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "vocab_size": args.vocab_size,
-        "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "max_position_embeddings": max_position_embeddings,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "dtype": str(dtype).removeprefix("torch."),  # the key transformers >= 4.56 reads
-    }
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
-        config["rope_scaling"] = {
-            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        }
-    return config
-
-
-def export_hf(checkpoint_dir: str, args: LlamaArgs, output_dir: str, dtype: torch.dtype = torch.bfloat16,
-              max_position_embeddings: int = 131072) -> None:
-    """Write ``config.json`` and ``model.safetensors`` for ``transformers.LlamaForCausalLM``."""
-    from safetensors.torch import save_file
-
-    weights = read_model_weights(checkpoint_dir)
-    state = {k: v.to(dtype).contiguous() for k, v in to_hf_state_dict(weights, args).items()}
-    os.makedirs(output_dir, exist_ok=True)
-    save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(output_dir, "config.json"), "w") as f:
-        json.dump(hf_config(args, dtype, max_position_embeddings), f, indent=2)
+    names = name_map(model.args)
+    state = get_model_state_dict(model)
+    hf_state, permuted = {}, {}
+    for ours, tensor in state.items():
+        theirs, heads = names[ours]
+        if heads:
+            permuted[ours] = (torch.empty_like(tensor), heads)
+            hf_state[theirs] = permuted[ours][0]
+        else:
+            hf_state[theirs] = tensor
+    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(folder, thread_count=thread_count))
+    for ours, (buf, heads) in permuted.items():
+        state[ours] = _to_our_layout(buf, heads)
+    set_model_state_dict(model, state, options=StateDictOptions(strict=True))

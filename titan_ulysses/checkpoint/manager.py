@@ -5,6 +5,9 @@ A save is written to ``step-{N}.tmp`` and renamed to ``step-{N}`` by rank 0 only
 every rank's data and the metadata are on disk, so a crash or a failing save never leaves
 a half checkpoint that resume would pick, and never touches the last good one.
 
+Rank 0 adds the files of ``extras(step_dir)`` (the model record of ``hf_export.py``) to
+the ``.tmp`` folder before the rename, so they are part of the complete checkpoint.
+
 What is saved: model and optimizer (sharded, FQN-keyed, so DCP reshards them to any
 layout on load), LR scheduler, data loader (its position is global), step and rank 0's RNG.
 
@@ -109,7 +112,7 @@ def _check(path: str) -> None:
 
 class CheckpointManager:
     def __init__(self, *, folder: str, model, optimizer, lr_scheduler, dataloader, enable: bool,
-                 interval: int, async_mode: str = "disabled", keep_latest_k: int = 0):
+                 interval: int, async_mode: str = "disabled", keep_latest_k: int = 0, extras=None):
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"checkpoint.async_mode {async_mode!r} is not one of {list(ASYNC_MODES)}")
         if interval < 1:
@@ -120,6 +123,7 @@ class CheckpointManager:
         self.async_mode, self.keep_latest_k = async_mode, keep_latest_k
         self.model, self.optimizer = model, optimizer
         self.lr_scheduler, self.dataloader = lr_scheduler, dataloader
+        self.extras = extras
         self.rank = dist.get_rank()
         self._pending = None  # (future, step) of an async save in flight
         self._last_saved = None
@@ -204,6 +208,8 @@ class CheckpointManager:
     def _commit(self, step: int, barrier: bool = True) -> None:
         if self.rank == 0:
             final = self._dir(step)
+            if self.extras is not None:
+                self.extras(final + ".tmp")
             os.rename(final + ".tmp", final)  # atomic: the checkpoint appears whole or not at all
             if self.keep_latest_k > 0:
                 for old in complete_steps(self.folder)[: -self.keep_latest_k]:

@@ -16,15 +16,22 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family; only "llama3" exists."""
+    """Model family of the named flavors; only "llama3" exists (hf_assets_path reads the family from config.json)."""
     flavor: str = "debugmodel"
-    """Size: debugmodel, debugmodel_gqa1, 1B, 3B, 8B, 70B."""
+    """Size: debugmodel, debugmodel_gqa1, 1B, 3B, 8B, 70B. Not used when hf_assets_path is set."""
+    hf_assets_path: str = ""
+    """A local Hugging Face model folder (config.json, *.safetensors, tokenizer.json), as
+    `huggingface-cli download` leaves it. When set, the architecture (Llama 3.x, Qwen3, Qwen2/2.5
+    and every shape) comes from its config.json and model.name / model.flavor are not used.
+    Its weights are loaded only with checkpoint.initial_load_in_hf = true."""
     attn_backend: str = "sdpa"
     """Local attention inside Ulysses: sdpa, flex (document masking) or flash_attn (CUDA)."""
     tokenizer: str = "byte"
-    """"byte" (no file, 256 bytes + specials) or "tiktoken" (Llama-3 tokenizer.model)."""
+    """"byte" (no file, 256 bytes + specials), "tiktoken" (Llama-3 tokenizer.model) or "hf"
+    (tokenizer.json through the tokenizers library; BOS/EOS/PAD from tokenizer_config.json / config.json)."""
     tokenizer_path: str = ""
-    """Path of the tiktoken BPE file when tokenizer = "tiktoken"."""
+    """The tiktoken BPE file when tokenizer = "tiktoken"; with "hf", a tokenizer.json or its folder
+    (empty: model.hf_assets_path)."""
     rope_theta: float = 0.0
     """RoPE base; 0 keeps the flavor's."""
     rope_scaling_factor: float = 0.0
@@ -148,6 +155,9 @@ class Checkpoint:
     """A step-N folder to start a new run from (when the run has no checkpoint of its own)."""
     initial_load_model_only: bool = True
     """Load only weights from initial_load_path (context extension); false loads the full state."""
+    initial_load_in_hf: bool = False
+    """Start the run from the safetensors weights of model.hf_assets_path (model only; the run's
+    own checkpoints still win when it resumes). Each rank reads only the slices of its shards."""
 
 
 @dataclass
@@ -190,7 +200,7 @@ class JobConfig:
 CHOICES = {
     "model.name": ("llama3",),
     "model.attn_backend": ("sdpa", "flex", "flash_attn"),
-    "model.tokenizer": ("byte", "tiktoken"),
+    "model.tokenizer": ("byte", "tiktoken", "hf"),
     "training.dataset": ("passkey", "text"),
     "training.mixed_precision_param": ("bfloat16", "float32"),
     "training.mixed_precision_reduce": ("float32", "bfloat16"),

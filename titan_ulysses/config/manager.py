@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 
 try:
@@ -11,11 +12,15 @@ try:
 except ImportError:  # Python < 3.11
     import tomli as tomllib
 
+from titan_ulysses.checkpoint.hf import check_hf_weights
+from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
 from titan_ulysses.config.job_config import CHOICES, JobConfig
+from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.data.sharding import check_seq_len
 from titan_ulysses.distributed.float8 import Float8Options, check_float8
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import check_heads
+from titan_ulysses.models.hf_config import load_hf_args
 from titan_ulysses.models.llama.args import get_flavor
 
 
@@ -133,6 +138,9 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
             raise ConfigError(f"comm.fake_world_size {config.comm.fake_world_size} must be >= 1")
         if config.checkpoint.enable:
             raise ConfigError("checkpoint.enable must be false with comm.mode 'fake' (its weights are not real)")
+        if config.checkpoint.initial_load_in_hf:
+            raise ConfigError("checkpoint.initial_load_in_hf must be false with comm.mode 'fake' (a fake process "
+                              "group cannot load real weights; the architecture still comes from model.hf_assets_path)")
         world_size = config.comm.fake_world_size
     try:
         dims = ParallelDims(
@@ -141,14 +149,13 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         )
     except ValueError as e:
         raise ConfigError(f"parallelism: {e}") from e
-    try:
-        args = get_flavor(config.model.flavor)
-    except ValueError as e:
-        raise ConfigError(f"model.flavor: {e}") from e
+    args = _model_args(config)
+    source = f"model.hf_assets_path {config.model.hf_assets_path!r}" if config.model.hf_assets_path else (
+        f"model.flavor {config.model.flavor!r}")
     try:
         check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp)
     except ValueError as e:
-        raise ConfigError(f"parallelism.ulysses_degree / tensor_parallel_degree: {e} (model.flavor {config.model.flavor!r})") from e
+        raise ConfigError(f"parallelism.ulysses_degree / tensor_parallel_degree: {e} ({source})") from e
     for key, value in (("training.seq_len", t.seq_len), ("training.local_batch_size", t.local_batch_size),
                        ("training.steps", t.steps), ("optimizer.lr", config.optimizer.lr),
                        ("checkpoint.interval", config.checkpoint.interval), ("metrics.log_freq", config.metrics.log_freq)):
@@ -167,10 +174,20 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
             f"training.global_batch_size {gbs} must be a positive multiple of training.local_batch_size x dp = "
             f"{t.local_batch_size} x {dp} = {t.local_batch_size * dp}"
         )
-    if t.dataset == "text" and not t.dataset_path:
-        raise ConfigError("training.dataset 'text' needs training.dataset_path (a file or a folder of .txt/.jsonl/.parquet)")
     if config.model.tokenizer == "tiktoken" and not config.model.tokenizer_path:
         raise ConfigError("model.tokenizer 'tiktoken' needs model.tokenizer_path (a Llama-3 tokenizer.model file)")
+    m, c = config.model, config.checkpoint
+    if m.tokenizer == "hf" and not (m.tokenizer_path or m.hf_assets_path):
+        raise ConfigError("model.tokenizer 'hf' needs model.hf_assets_path (or model.tokenizer_path): the folder "
+                          "with tokenizer.json")
+    if c.initial_load_in_hf and not m.hf_assets_path:
+        raise ConfigError("checkpoint.initial_load_in_hf needs model.hf_assets_path (the folder whose weights "
+                          "the run starts from)")
+    if c.initial_load_in_hf and c.initial_load_path:
+        raise ConfigError("checkpoint.initial_load_in_hf and checkpoint.initial_load_path both name the start "
+                          "weights; set one")
+    if t.dataset == "text" and not t.dataset_path:
+        raise ConfigError("training.dataset 'text' needs training.dataset_path (a file or a folder of .txt/.jsonl/.parquet)")
     if config.lr_scheduler.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps {config.lr_scheduler.warmup_steps} must be >= 0")
     if not 0.0 <= config.lr_scheduler.decay_ratio <= 1.0:
@@ -186,6 +203,47 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         if getattr(config.model, key) < 0:
             raise ConfigError(f"model.{key} {getattr(config.model, key)} must be >= 0 (0 turns it off)")
     return dims
+
+
+def _model_args(config: JobConfig):
+    """The model's architecture (from model.flavor, or from the config.json of model.hf_assets_path)."""
+    path = config.model.hf_assets_path
+    if not path:
+        try:
+            return get_flavor(config.model.flavor)
+        except ValueError as e:
+            raise ConfigError(f"model.flavor: {e}") from e
+    try:
+        return load_hf_args(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.hf_assets_path: {e}") from e
+
+
+def check_files(config: JobConfig) -> None:
+    """Every file a setting names exists and fits the model: one line naming the setting, before any weight is read.
+
+    Separate from ``validate`` (which tools such as estimate_memory run on machines without
+    the data); the trainer runs both before any process group starts.
+    """
+    m, c = config.model, config.checkpoint
+    args = _model_args(config)
+    if m.tokenizer == "tiktoken" and not os.path.isfile(m.tokenizer_path):
+        raise ConfigError(f"model.tokenizer_path {m.tokenizer_path!r} is not a file (a Llama-3 tokenizer.model)")
+    if m.tokenizer == "hf":
+        try:
+            hf_tokenizer_file(m.tokenizer_path or m.hf_assets_path)
+        except FileNotFoundError as e:
+            raise ConfigError(f"model.{'tokenizer_path' if m.tokenizer_path else 'hf_assets_path'}: {e}") from e
+    if c.initial_load_in_hf:
+        try:
+            check_hf_weights(m.hf_assets_path, args)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"checkpoint.initial_load_in_hf: model.hf_assets_path {m.hf_assets_path!r}: {e}") from e
+    if c.initial_load_path:
+        try:
+            check_dcp_model_shapes(c.initial_load_path, args)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"checkpoint.initial_load_path: {e}") from e
 
 
 def float8_options(config: JobConfig) -> Float8Options | None:

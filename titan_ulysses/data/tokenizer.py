@@ -66,4 +66,8 @@ def build_tokenizer(kind: str, path: str = ""):
         return ByteTokenizer()
     if kind == "tiktoken":
         return TiktokenTokenizer(path)
-    raise ValueError(f"model.tokenizer {kind!r} is not one of ['byte', 'tiktoken']")
+    if kind == "hf":  # path: a tokenizer.json or its folder
+        from titan_ulysses.data.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(path)
+    raise ValueError(f"model.tokenizer {kind!r} is not one of ['byte', 'tiktoken', 'hf']")

@@ -1,4 +1,9 @@
-"""Llama 3 model arguments and the named flavors."""
+"""Llama 3 model arguments and the named flavors.
+
+Qwen3 and Qwen2/2.5 are the same Transformer with a few flags (``qk_norm``,
+``head_dim_override``, ``qkv_bias``); ``models/hf_config.py`` reads them from a Hugging
+Face ``config.json``.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +33,14 @@ class LlamaArgs:
     rope_theta: float = 500000.0
     rope_scaling: RopeScaling | None = field(default_factory=RopeScaling)
     tie_embeddings: bool = False
+    head_dim_override: int = 0
+    """Per-head dim when it is not dim // n_heads (Qwen3, some Llama configs); 0: dim // n_heads."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2 / Qwen2.5)."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim of every q and k head before RoPE (Qwen3)."""
+    family: str = "llama"
+    """Hugging Face family the args map to on export: "llama", "qwen2" or "qwen3"."""
     attn_backend: str = "sdpa"
     """Local attention: "sdpa", "flex" or "flash_attn" (see ops/attention.py)."""
     mlp_tile_size: int = 0
@@ -38,10 +51,10 @@ class LlamaArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_override or self.dim // self.n_heads
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
+        if not self.head_dim_override and self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
@@ -50,6 +63,7 @@ class LlamaArgs:
 
     def num_params(self) -> int:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        attn += self.qkv_bias * self.head_dim * (self.n_heads + 2 * self.n_kv_heads) + self.qk_norm * 2 * self.head_dim
         mlp = 3 * self.dim * self.ffn_hidden_dim
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + mlp + 2 * self.dim) + emb + self.dim

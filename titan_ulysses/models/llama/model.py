@@ -1,5 +1,8 @@
 """Llama 3: RMSNorm, RoPE (Llama 3.1 scaling), GQA attention, SwiGLU.
 
+Qwen3 adds an RMSNorm per q/k head before RoPE (``args.qk_norm``) and a head_dim of its
+own (``args.head_dim_override``); Qwen2/2.5 adds q/k/v biases (``args.qkv_bias``).
+
 Nothing here is distributed. Parallelism is applied from outside
 (``parallelize.py``): tensor parallelism slices the projections (so head counts
 are inferred from shapes, never stored), Ulysses swaps ``inner_attention``.
@@ -67,10 +70,13 @@ class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Qwen3: one RMSNorm over head_dim shared by all q heads (and one by all k heads)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.inner_attention = build_attention(args.attn_backend)
 
     def forward(self, x, rope, attention_mask):
@@ -78,6 +84,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [B, S, Hq, Dh]
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, Dh]
         v = self.wv(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, Dh]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = self.inner_attention(q, k, v, attention_mask)  # [B, S, Hq, Dh]
         return self.wo(out.reshape(b, s, -1))
@@ -85,7 +93,12 @@ class Attention(nn.Module):
     def init_weights(self, std: float):
         for w in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(w.weight, std=0.02)
+            if w.bias is not None:
+                nn.init.zeros_(w.bias)
         nn.init.trunc_normal_(self.wo.weight, std=std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
 
 
 class FeedForward(nn.Module):

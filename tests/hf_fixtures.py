@@ -1,0 +1,86 @@
+"""Tiny Hugging Face model folders built with transformers itself (config.json + safetensors + tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+# model_type -> config keywords; small shapes, GQA everywhere
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=2, vocab_size=320, rms_norm_eps=1e-6)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # short original context: the scaling matters at 24 tokens
+VARIANTS = {
+    # name: (model_type, config overrides, save_pretrained max_shard_size or None for one file)
+    "llama-untied-llama3rope": ("llama", dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0), None),
+    "llama-tied-sharded": ("llama", dict(tie_word_embeddings=True, rope_theta=10000.0), "40KB"),
+    "qwen3-tied-headdim": ("qwen3", dict(head_dim=16, tie_word_embeddings=True), "40KB"),
+    "qwen2-bias": ("qwen2", dict(tie_word_embeddings=False), None),
+}
+
+
+def hf_classes(model_type: str):
+    import transformers
+
+    return {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[model_type]
+
+
+@torch.no_grad()
+def randomize(model, seed: int = 0) -> None:
+    """Weights far from the init: sharp attention (so RoPE order and scaling show), non-unit norms, biases."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+        elif name.endswith("bias"):
+            p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        elif "q_proj" in name or "k_proj" in name:
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def make_hf_model(folder: str, model_type: str, overrides: dict, max_shard_size=None, seed: int = 0, **extra):
+    """Save a random model with ``save_pretrained`` and return it (fp32, eager attention)."""
+    config_cls, model_cls = hf_classes(model_type)
+    config = config_cls(**{**BASE, **overrides, **extra})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    randomize(model, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return model
+
+
+TEXTS = [
+    "The pass key is 12345. Remember it. 12345 is the pass key. What is the pass key?",
+    "Grüße aus Zürich — naïve café, 東京 and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 with emojis 🙂👍.",
+    "def f(x):\n    return x  *  2\t\t# tabs, spaces    and 3.14159 digits 0 1 22 333 4444",
+] * 4
+
+
+def make_tokenizer(folder: str, vocab_size: int = 320, bos: bool = True) -> None:
+    """A byte-level BPE tokenizer.json trained on a few strings, with tokenizer_config.json as the Hub has it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 8, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXTS, trainer)
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|end_of_text|>",
+              "bos_token": "<|begin_of_text|>" if bos else None, "pad_token": None,
+              "model_max_length": 131072}
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)

@@ -1,0 +1,221 @@
+"""A DCP checkpoint -> a Hugging Face model folder that ``transformers`` loads; and the record that makes it possible.
+
+Every checkpoint holds ``model_args.json`` (the model arguments it was trained with and,
+for runs started from a Hugging Face folder, that folder's ``config.json``) and, for those
+runs, ``hf_assets/`` (copies of config.json and the tokenizer files). ``export_hf`` then
+needs only the checkpoint: it writes ``config.json`` (the source one with the trained
+shapes and RoPE settings written over it), the tokenizer files, and the weights as
+``model.safetensors`` or, above ``max_shard_size``, as ``model-0000i-of-0000n.safetensors``
+with ``model.safetensors.index.json``, as ``save_pretrained`` does. Weights are read one
+output shard at a time, so host memory stays about one shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from titan_ulysses.checkpoint.hf_adapter import interleaved_to_halves, name_map
+from titan_ulysses.models.hf_config import ARCHITECTURES
+from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
+
+RECORD = "model_args.json"
+ASSETS = "hf_assets"
+# the files of a Hugging Face folder that are not weights and that an export carries over
+ASSET_SUFFIXES = (".json", ".model", ".txt", ".jinja", ".tiktoken")
+_RUNTIME_FIELDS = ("attn_backend", "mlp_tile_size", "loss_chunk_size")  # how it ran, not what it is
+
+
+# -- the record ------------------------------------------------------------------------------
+
+
+def write_model_record(step_dir: str, args: LlamaArgs, hf_assets_path: str = "") -> None:
+    """Write ``model_args.json`` (and ``hf_assets/`` when the run came from a Hugging Face folder) into a checkpoint."""
+    record = {"args": {k: v for k, v in dataclasses.asdict(args).items() if k not in _RUNTIME_FIELDS}}
+    if hf_assets_path:
+        os.makedirs(os.path.join(step_dir, ASSETS), exist_ok=True)
+        for name in sorted(os.listdir(hf_assets_path)):
+            src = os.path.join(hf_assets_path, name)
+            if os.path.isfile(src) and name.endswith(ASSET_SUFFIXES) and not name.endswith(".index.json"):
+                shutil.copyfile(src, os.path.join(step_dir, ASSETS, name))
+        with open(os.path.join(hf_assets_path, "config.json")) as f:
+            record["hf_config"] = json.load(f)
+    with open(os.path.join(step_dir, RECORD), "w") as f:
+        json.dump(record, f, indent=2)
+
+
+def read_model_record(step_dir: str) -> tuple[LlamaArgs, dict | None] | None:
+    """(args, source config.json or None) recorded in a checkpoint; None for checkpoints without a record."""
+    path = os.path.join(step_dir, RECORD)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        record = json.load(f)
+    fields = dict(record["args"])
+    if fields.get("rope_scaling") is not None:
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    return LlamaArgs(**fields), record.get("hf_config")
+
+
+# -- config.json -----------------------------------------------------------------------------
+
+
+def hf_config(args: LlamaArgs, dtype: torch.dtype, max_position_embeddings: int = 131072,
+              base: dict | None = None) -> dict:
+    """config.json for ``args``: ``base`` (the source folder's, when there is one) with every shape written over."""
+    config = dict(base or {})
+    config.pop("rope_parameters", None)  # written below as rope_theta + rope_scaling, which every version reads
+    config.update({
+        "architectures": [ARCHITECTURES[args.family]],
+        "model_type": args.family,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "num_hidden_layers": args.n_layers,
+        "head_dim": args.head_dim,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "vocab_size": args.vocab_size,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.get("max_position_embeddings", max_position_embeddings),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),  # the key transformers >= 4.56 reads
+    })
+    if args.family in ("llama", "qwen3"):
+        config.update(attention_bias=False)
+    if args.family == "llama":
+        config.update(mlp_bias=False)
+    else:
+        config.update(use_sliding_window=False)
+    config["rope_scaling"] = None
+    if args.rope_scaling is not None:
+        s = args.rope_scaling
+        config["rope_scaling"] = {
+            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    elif base is None:
+        del config["rope_scaling"]
+    return config
+
+
+# -- weights ---------------------------------------------------------------------------------
+
+
+def _model_metadata(checkpoint_dir: str) -> dict[str, TensorStorageMetadata]:
+    metadata = FileSystemReader(checkpoint_dir).read_metadata()
+    model = {
+        key[len("model."):]: meta for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    if not model:
+        raise ValueError(f"{checkpoint_dir!r} holds no model weights")
+    return model
+
+
+def check_checkpoint_shapes(found: dict[str, tuple], args: LlamaArgs, what: str) -> None:
+    """Refuse (ValueError, one line) a checkpoint whose tensors are not those of a model of ``args``."""
+    from titan_ulysses.models.llama.model import Transformer
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    if expected != found:
+        missing = sorted(set(expected) - set(found))[:3]
+        extra = sorted(set(found) - set(expected))[:3]
+        shape = [f"{k} {list(found[k])} (expected {list(expected[k])})"
+                 for k in expected.keys() & found.keys() if expected[k] != found[k]][:2]
+        raise ValueError(f"the checkpoint does not match the model arguments {what}: "
+                         f"missing {missing}, unexpected {extra}, other shapes {shape}")
+
+
+def check_dcp_model_shapes(checkpoint_dir: str, args: LlamaArgs) -> None:
+    """Refuse, from its .metadata alone, a checkpoint whose model does not have the shapes of ``args``."""
+    if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
+        raise FileNotFoundError(f"{checkpoint_dir!r} is not a complete checkpoint (no .metadata); point it at a "
+                                f"step-N folder")
+    found = {k: tuple(m.size) for k, m in _model_metadata(checkpoint_dir).items()}
+    check_checkpoint_shapes(found, args, "of this run (model.flavor / model.hf_assets_path)")
+
+
+def read_model_weights(checkpoint_dir: str, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Full (unsharded) model weights of a checkpoint (all, or ``names``), read without a process group."""
+    metadata = _model_metadata(checkpoint_dir)
+    model = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
+             if names is None or k in names}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": model}, checkpoint_id=checkpoint_dir, no_dist=True)
+    return model
+
+
+def _plan_shards(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
+    shards, current, total = [], [], 0
+    for name, size in sizes.items():
+        if current and total + size > max_shard_size:
+            shards.append(current)
+            current, total = [], 0
+        current.append(name)
+        total += size
+    return shards + [current] if current else shards
+
+
+def export_hf(checkpoint_dir: str, args: LlamaArgs | None, output_dir: str, dtype: torch.dtype = torch.bfloat16,
+              max_position_embeddings: int = 131072, max_shard_size: int = 5 * 2**30) -> list[str]:
+    """Write a Hugging Face folder for ``checkpoint_dir``; ``args`` None reads them from its record.
+
+    Returns the names of the files written.
+    """
+    from safetensors.torch import save_file
+
+    record = read_model_record(checkpoint_dir)
+    base = None
+    if args is None:
+        if record is None:
+            raise ValueError(f"{checkpoint_dir!r} has no {RECORD} (a checkpoint written before it existed); "
+                             f"pass --flavor (and the run's rope overrides)")
+        args, base = record
+    elif record is not None:
+        base = record[1]
+    meta = _model_metadata(checkpoint_dir)
+    check_checkpoint_shapes({k: tuple(m.size) for k, m in meta.items()}, args, "given (flavor / overrides)")
+    names = name_map(args)
+    sizes = {ours: meta[ours].size.numel() * dtype.itemsize for ours in names}
+    shards = _plan_shards(sizes, max_shard_size)
+    os.makedirs(output_dir, exist_ok=True)
+    weight_map, written, total = {}, [], 0
+    for i, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        state = {}
+        for ours, w in read_model_weights(checkpoint_dir, shard).items():
+            theirs, heads = names[ours]
+            w = interleaved_to_halves(w, heads) if heads else w
+            state[theirs] = w.to(dtype).contiguous()
+            weight_map[theirs] = file
+            total += sizes[ours]
+        save_file(state, os.path.join(output_dir, file), metadata={"format": "pt"})
+        written.append(file)
+        del state
+    if len(shards) > 1:
+        with open(os.path.join(output_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        written.append("model.safetensors.index.json")
+    assets = os.path.join(checkpoint_dir, ASSETS)
+    if os.path.isdir(assets):
+        for name in sorted(os.listdir(assets)):
+            if name != "config.json":
+                shutil.copyfile(os.path.join(assets, name), os.path.join(output_dir, name))
+                written.append(name)
+    with open(os.path.join(output_dir, "config.json"), "w") as f:
+        json.dump(hf_config(args, dtype, max_position_embeddings, base), f, indent=2)
+    return written + ["config.json"]

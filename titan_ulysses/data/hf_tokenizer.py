@@ -1,0 +1,73 @@
+"""A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library (model.tokenizer = "hf").
+
+Ids are those of ``transformers.AutoTokenizer`` on the same folder with
+``add_special_tokens=False``; BOS and EOS are added by ``encode`` itself, from
+``tokenizer_config.json`` (``bos_token``, ``eos_token``, ``pad_token``) or else from
+``config.json`` (``bos_token_id``, ``eos_token_id``, ``pad_token_id``). Families without a
+BOS token (Qwen) start documents with their EOS token, the document separator they were
+pretrained with; PAD falls back to EOS (padded positions carry no loss anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def hf_tokenizer_file(path: str) -> str:
+    """The tokenizer.json of ``path`` (the file itself or its folder); FileNotFoundError naming it otherwise."""
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no tokenizer.json at {file!r}")
+    return file
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _token_text(entry) -> str | None:
+    """``"<s>"`` or ``{"content": "<s>", ...}`` (both spellings occur in tokenizer_config.json)."""
+    if isinstance(entry, dict):
+        return entry.get("content")
+    return entry
+
+
+class HFTokenizer:
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        file = hf_tokenizer_file(path)
+        folder = os.path.dirname(file)
+        self._tok = Tokenizer.from_file(file)
+        tok_config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        model_config = _read_json(os.path.join(folder, "config.json"))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        ids = {name: self._special(tok_config, model_config, name) for name in ("bos", "eos", "pad")}
+        if ids["eos"] is None:
+            raise ValueError(f"{folder!r}: neither tokenizer_config.json nor config.json names an EOS token")
+        self.has_bos = ids["bos"] is not None
+        self.eos_id = ids["eos"]
+        self.bos_id = ids["bos"] if self.has_bos else self.eos_id
+        self.pad_id = ids["pad"] if ids["pad"] is not None else self.eos_id
+
+    def _special(self, tok_config: dict, model_config: dict, name: str) -> int | None:
+        text = _token_text(tok_config.get(f"{name}_token"))
+        if text is not None:
+            token_id = self._tok.token_to_id(text)
+            if token_id is not None:
+                return token_id
+        value = model_config.get(f"{name}_token_id")
+        if isinstance(value, list):  # e.g. Llama-3.1-Instruct: several EOS ids, the first is the document end
+            value = value[0] if value else None
+        return value
+
+    def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id] * bos + ids + [self.eos_id] * eos
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
