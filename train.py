@@ -1,5 +1,12 @@
-"""Entry point: `torchrun --nproc-per-node N train.py --config train_configs/X.toml [--section.key value ...]`."""
+"""Entry point: `torchrun --nproc-per-node N train.py --config train_configs/X.toml [--section.key value ...]`.
 
+A configuration error, or a dump folder in use by another run, ends every rank with exit code 2
+and one line on stderr, printed by rank 0 only (every rank finds the same error). Under torchrun
+the launcher then reports the failed workers (``exitcode: 2``) and exits 1 itself: torchrun
+exits 1 whenever a worker fails.
+"""
+
+import os
 import sys
 import warnings
 
@@ -8,16 +15,21 @@ warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 from titan_ulysses.config.manager import ConfigError, load_config
 
+EXIT_REFUSED = 2
+
 
 def main(argv: list[str]) -> int:
+    from titan_ulysses.checkpoint.lock import FolderInUseError
+
     try:
         config = load_config(argv)
         from titan_ulysses.trainer import Trainer
 
         trainer = Trainer(config)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    except (ConfigError, FolderInUseError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{'config error' if isinstance(e, ConfigError) else 'refused'}: {e}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
     trainer.train()
     return 0
 
