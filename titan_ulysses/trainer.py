@@ -138,6 +138,13 @@ class Trainer:
                 f"backward and flash-attn is CUDA-only); use model.attn_backend 'sdpa' on CPU"
             )
         self.rank = dist.get_rank()
+        if self.device.type == "cuda" and self.rank == 0:
+            from titan_ulysses.metrics.memory_fit import memory_warning
+
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            warning = memory_warning(config, self.parallel_dims, dist.get_world_size(), total)
+            if warning:
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
         pd = self.parallel_dims
         pd.build_mesh(self.device.type)
         if not self.fake:
