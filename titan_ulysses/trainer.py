@@ -274,7 +274,8 @@ class Trainer:
             total += loss.detach()
         global_loss = dist_sum(total, loss_mesh).item()
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm).item()
-        lr = self.lr_scheduler.get_last_lr()[0]
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        lr = next((x for x in lrs if not math.isfinite(x)), lrs[0])
         if not self.fake and not all(map(math.isfinite, (global_loss, grad_norm, lr))):
             # every rank sees the same reduced loss, norm and lr: all skip or all stop
             self.optimizer.zero_grad(set_to_none=True)
