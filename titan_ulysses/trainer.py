@@ -350,6 +350,13 @@ class Trainer:
                     if self.rank == 0:
                         print(f"preempted: saved step {self.step}, exiting", flush=True)
                     break
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower():
+                raise
+            limit = "comm.init_timeout_seconds" if first_step else "comm.train_timeout_seconds"
+            raise RuntimeError(f"step {self.step + 1}: a collective waited longer than {limit} "
+                               f"({getattr(self.config.comm, limit.split('.')[1])}s) for another rank: one stalled or "
+                               f"died (see its log); the newest checkpoint is the one to resume from") from e
         finally:
             self.checkpointer.close()
             self.metrics.close()
