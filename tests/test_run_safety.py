@@ -116,7 +116,7 @@ def test_a_nonfinite_grad_norm_skips_the_update_or_stops(tmp_path):
 
 # -- a damaged newest checkpoint falls back; a full disk keeps the last good one ------------
 
-def test_damaged_newest_checkpoint_falls_back_and_the_run_finishes(tmp_path, capfd):
+def test_damaged_checkpoint_falls_back_and_a_full_disk_keeps_the_last_good_one(tmp_path, capfd):
     folder = tmp_path / "run"
     run(["--training.steps", "4"], folder)
     shard = folder / "checkpoint" / "step-4" / "__1_0.distcp"
@@ -124,26 +124,20 @@ def test_damaged_newest_checkpoint_falls_back_and_the_run_finishes(tmp_path, cap
     data[len(data) // 2] ^= 0xFF  # bytes changed inside a tensor file
     shard.write_bytes(bytes(data))
     capfd.readouterr()
-    metrics = run(["--training.steps", "6"], folder)
-    err = capfd.readouterr().err
-    assert f"{shard} does not match its checksum" in err and "falling back to the previous checkpoint" in err
-    assert [m["step"] for m in metrics][-4:] == [3, 4, 5, 6]  # resumed from step-2
-    assert steps_on_disk(folder) == ["step-2", "step-4", "step-4.bad", "step-6"]
-    assert os.path.isfile(folder / "checkpoint" / "step-6" / "manifest.json")
-
-
-def test_disk_full_keeps_the_last_good_checkpoint_and_the_rerun_succeeds(tmp_path):
-    folder = tmp_path / "run"
+    # the rerun falls back to step-2; then its save of step 4 finds the disk full
     with pytest.raises(Exception, match=r"no space left on device while saving .*step-4.tmp: a checkpoint of this "
                                         r"run needs about .* GiB and .* GiB are free on that filesystem; the newest "
                                         r"good checkpoint, .*step-2, is kept"):
         run(["--training.steps", "6"], folder, "disk_full_at_4")
-    assert steps_on_disk(folder) == ["step-2", "step-4.tmp"]
+    err = capfd.readouterr().err
+    assert f"{shard} does not match its checksum" in err and "falling back to the previous checkpoint" in err
+    assert steps_on_disk(folder) == ["step-2", "step-4.bad", "step-4.tmp"]
     with open(folder / "metrics.jsonl") as f:
         assert all(line.endswith("\n") and json.loads(line) for line in f)
-    metrics = run(["--training.steps", "6"], folder)  # the leftover is removed at start-up
-    assert [m["step"] for m in metrics][-4:] == [3, 4, 5, 6]
-    assert steps_on_disk(folder) == ["step-2", "step-4", "step-6"]
+    metrics = run(["--training.steps", "6"], folder)  # the leftover .tmp is removed at start-up
+    assert [m["step"] for m in metrics][-4:] == [3, 4, 5, 6]  # from step-2 again
+    assert steps_on_disk(folder) == ["step-2", "step-4", "step-4.bad", "step-6"]
+    assert os.path.isfile(folder / "checkpoint" / "step-6" / "manifest.json")
 
 
 def test_metrics_lines_stay_whole_when_a_write_fails(tmp_path, monkeypatch):
