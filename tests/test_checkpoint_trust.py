@@ -39,7 +39,7 @@ def _flip(path):
 
 
 DAMAGES = {  # name -> (damage(step folder) -> the file the warning must name)
-    "deleted_shard": lambda d: (os.remove(_shard(d)), _shard_name[0])[1],
+    "deleted_shard": lambda d: (lambda shard: (os.remove(shard), os.path.basename(shard))[1])(_shard(d)),
     "truncated_metadata": lambda d: (_truncate(os.path.join(d, ".metadata")), ".metadata")[1],
     "truncated_shard": lambda d: (_truncate(_shard(d)), os.path.basename(_shard(d)))[1],
     "flipped_shard": lambda d: (_flip(_shard(d)), os.path.basename(_shard(d)))[1],
@@ -48,7 +48,6 @@ DAMAGES = {  # name -> (damage(step folder) -> the file the warning must name)
     "unverified_truncated_metadata": lambda d: (os.remove(os.path.join(d, "manifest.json")),
                                                 _truncate(os.path.join(d, ".metadata")), "loading failed")[2],
 }
-_shard_name = [None]
 
 
 def _damaged_newest_falls_back(folder, capfd):
@@ -66,7 +65,6 @@ def _damaged_newest_falls_back(folder, capfd):
         newest = os.path.join(folder, "step-2")
         named = None
         if dist.get_rank() == 0:
-            _shard_name[0] = os.path.basename(_shard(newest))
             named = damage(newest)
         dist.barrier()
         _scramble(model)

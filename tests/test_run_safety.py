@@ -18,7 +18,6 @@ import sys
 import time
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
