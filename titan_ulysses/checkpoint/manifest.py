@@ -8,10 +8,12 @@ tensor bytes silently, and fails on a truncated file with ``EOFError`` without n
 
 Why CRC-32 (``zlib.crc32``, streamed in 16 MiB blocks): it catches every burst of up to 32
 flipped bits and all but 2^-32 of other accidental changes, which is what storage damage
-looks like, and runs at several GB/s on one core (BLAKE2b, a cryptographic hash, runs at
-about 1 GB/s and guards against deliberate tampering, which is not the threat here). The
+looks like, and runs at about 1.9 GB/s on one core of the (shared) CPU machine this was
+measured on, four times BLAKE2b's 0.47 GB/s (a cryptographic hash guards against deliberate
+tampering, which is not the threat here; adler32 is no faster there and weaker). The
 manager splits the files over the ranks, so each rank checksums about 1/world of the
-checkpoint, at save and at load.
+checkpoint, at save and at load: an 8B model's 96 GB of weights and AdamW state over 8
+ranks is about 6 s each.
 """
 
 from __future__ import annotations
