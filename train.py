@@ -1,16 +1,26 @@
 """Entry point: `torchrun --nproc-per-node N train.py --config train_configs/X.toml [--section.key value ...]`.
 
 `python train.py --help` lists every setting with its default and docstring.
+
+A configuration error, or a dump folder in use by another run, ends every rank with exit code 2
+and one line on stderr, printed by rank 0 only (every rank finds the same error; the others wait
+a moment so that rank 0 is the failure torchrun reports). Under torchrun
+the launcher then reports the failed workers (``exitcode: 2``) and exits 1 itself: torchrun
+exits 1 whenever a worker fails.
 """
 
 import os
 import sys
+import time
 import warnings
 
 # torchdata's StatefulDataLoader calls a deprecated torch API on every construction
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 from titan_ulysses.config.manager import ConfigError, load_config
+
+EXIT_REFUSED = 2
+RANK0_FIRST_S = 3.0
 
 
 def main(argv: list[str]) -> int:
@@ -19,16 +29,22 @@ def main(argv: list[str]) -> int:
 
         print(format_help())
         return 0
+
+    from titan_ulysses.checkpoint.lock import FolderInUseError
+
     try:
         config = load_config(argv)
         from titan_ulysses.trainer import Trainer
 
         trainer = Trainer(config)
-    except ConfigError as e:
-        # every rank finds the same error before any process group work: say it once per node
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"config error: {e}", file=sys.stderr)
-        return 2
+    except (ConfigError, FolderInUseError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{'config error' if isinstance(e, ConfigError) else 'refused'}: {e}", file=sys.stderr, flush=True)
+        else:
+            # Let rank 0 print and exit first: torchrun stops every worker at the first failure
+            # it sees, and would otherwise often stop rank 0 before it says why.
+            time.sleep(RANK0_FIRST_S)
+        return EXIT_REFUSED
     trainer.train()
     return 0
 

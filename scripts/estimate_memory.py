@@ -24,61 +24,8 @@ import json
 import sys
 
 from titan_ulysses.config.manager import ConfigError, load_config, validate
-from titan_ulysses.distributed.ulysses import check_heads
-from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate, largest_seq_len
-from titan_ulysses.trainer import model_args
-
-SWITCH_ORDER = [  # (override, Switches change), cumulative, as in docs/guide.md section 3
-    ("--model.loss_chunk_size 8192", {"loss_chunk_size": 8192}),
-    ("--model.mlp_tile_size 8192", {"mlp_tile_size": 8192}),
-    ("--activation_checkpoint.mode selective", {"ac_mode": "selective"}),
-    ("--activation_checkpoint.mode full", {"ac_mode": "full"}),
-    ("--activation_checkpoint.mode full_offload", {"ac_mode": "full_offload"}),
-    ("--training.enable_cpu_offload true", {"cpu_offload": True}),
-]
-
-
-def from_config(config, dims):
-    args = model_args(config, 0)
-    t = config.training
-    switches = Switches(
-        ac_mode=config.activation_checkpoint.mode, loss_chunk_size=args.loss_chunk_size,
-        mlp_tile_size=args.mlp_tile_size, cpu_offload=t.enable_cpu_offload,
-        act_bytes=2 if t.mixed_precision_param == "bfloat16" else 4,
-    )
-    return args, Layout(dp_shard=dims.size("dp_shard"), sp=dims.sp, tp=dims.tp), switches
-
-
-def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, budget):
-    """The first (sp, switches) that fits ``budget`` bytes: (sp, overrides, estimate) or None.
-
-    FSDP CPU offload (the last switch) moves every parameter over PCIe each step, which
-    costs far more than a larger Ulysses degree inside a node: it is tried only when no
-    degree fits without it.
-    """
-    def heads_allow(sp: int) -> bool:
-        try:
-            check_heads(args.n_heads, args.n_kv_heads, sp, layout.tp)
-            return True
-        except ValueError:
-            return False
-
-    ranks = world // layout.tp
-    degrees = [s for s in range(1, ranks + 1) if ranks % s == 0 and seq_len % s == 0 and heads_allow(s)]
-    for order in (SWITCH_ORDER[:-1], SWITCH_ORDER):
-        for sp in degrees:
-            trial = Layout(dp_shard=world // (sp * layout.tp), sp=sp, tp=layout.tp)
-            sw, overrides = switches, {}
-            for i in range(len(order) + 1):
-                if i:
-                    flag, change = order[i - 1]
-                    sw = dataclasses.replace(sw, **change)
-                    overrides[flag.split()[0]] = flag  # a later AC mode replaces an earlier one
-                est = estimate(args, trial, sw, seq_len, batch)
-                if est.total <= budget:
-                    return sp, [f"--parallelism.ulysses_degree {sp}", *overrides.values()], est
-    return None
-
+from titan_ulysses.metrics.memory_estimate import GIB, Switches, estimate, largest_seq_len
+from titan_ulysses.metrics.memory_fit import BUDGET, from_config, recommend
 
 def saved_bytes(model, tokens, positions=None) -> int:
     """Bytes autograd keeps for backward in ``model(tokens, labels=tokens)``, parameters excluded."""
@@ -150,7 +97,7 @@ def main(argv=None) -> int:
     est = estimate(args, layout, switches, t.seq_len, t.local_batch_size)
     device = a.device_memory_gib * GIB
     longest = largest_seq_len(args, layout, switches, 0.9 * device, t.local_batch_size)
-    rec = recommend(args, layout, switches, t.seq_len, t.local_batch_size, a.world_size, 0.9 * device)
+    rec = recommend(args, layout, switches, t.seq_len, t.local_batch_size, a.world_size, BUDGET * device)
     result = {"config": a.config, "overrides": overrides, "world_size": a.world_size, "layout": dataclasses.asdict(layout),
               "seq_len": t.seq_len, "local_batch_size": t.local_batch_size, "switches": dataclasses.asdict(switches),
               "bytes": est.as_dict(), "largest_seq_len": longest,

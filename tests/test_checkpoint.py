@@ -166,7 +166,7 @@ def _failing_saves(folder):
     loader.n = 2
 
     # 1. the save function dies after writing a shard
-    def broken_save(state, checkpoint_id):
+    def broken_save(state, checkpoint_id, **kwargs):
         os.makedirs(checkpoint_id, exist_ok=True)
         with open(os.path.join(checkpoint_id, f"__{dist.get_rank()}_0.distcp"), "w") as f:
             f.write("half")

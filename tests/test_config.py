@@ -68,6 +68,23 @@ def test_bad_toml_types(tmp_path):
     (["--model.flavor", "7B"], 1, r"model.flavor: model flavor '7B' is not one of"),
     (["--training.steps", "0"], 1, r"training.steps must be positive"),
     (["--training.passkey_digits", "0"], 1, r"training.passkey_digits must lie in \[1, 9\], got 0"),
+    # every numeric setting has a range, refused before any process group (issue 15)
+    (["--optimizer.lr", "nan"], 1, r"optimizer.lr must be a finite number, got nan"),
+    (["--optimizer.lr", "inf"], 1, r"optimizer.lr must be a finite number, got inf"),
+    (["--optimizer.beta1", "2.0"], 1, r"optimizer.beta1 must lie in \[0, 1\), got 2.0"),
+    (["--optimizer.beta2", "1"], 1, r"optimizer.beta2 must lie in \[0, 1\), got 1.0"),
+    (["--optimizer.eps", "0"], 1, r"optimizer.eps must be positive, got 0.0"),
+    (["--optimizer.weight_decay", "-0.1"], 1, r"optimizer.weight_decay must be >= 0, got -0.1"),
+    (["--comm.link_bandwidth_gbps", "0"], 1, r"comm.link_bandwidth_gbps must be positive, got 0.0"),
+    (["--lr_scheduler.min_lr_factor", "-5"], 1, r"lr_scheduler.min_lr_factor must lie in \[0, 1\], got -5.0"),
+    (["--lr_scheduler.min_lr_factor", "nan"], 1, r"lr_scheduler.min_lr_factor must be a finite number, got nan"),
+    (["--lr_scheduler.decay_ratio", "1.5"], 1, r"lr_scheduler.decay_ratio must lie in \[0, 1\], got 1.5"),
+    (["--training.max_norm", "-1"], 1, r"training.max_norm must be >= 0, got -1.0"),
+    (["--training.skip_nonfinite_steps", "-1"], 1, r"training.skip_nonfinite_steps must be >= 0, got -1"),
+    (["--comm.train_timeout_seconds", "0"], 1, r"comm.train_timeout_seconds must be positive, got 0"),
+    (["--comm.init_timeout_seconds", "-3"], 1, r"comm.init_timeout_seconds must be positive, got -3"),
+    (["--model.rope_theta", "inf"], 1, r"model.rope_theta must be a finite number, got inf"),
+    (["--training.seed", "-1"], 1, r"training.seed must lie in \[0, 9223372036854775807\], got -1"),
 ])
 def test_validation_refusals(argv, world, message):
     with pytest.raises(ConfigError, match=message):
@@ -79,3 +96,11 @@ def test_global_batch_resolution():
     assert resolved_global_batch_size(c, 4) == 8
     c = load_config(["--training.local_batch_size", "2", "--training.global_batch_size", "16"])
     assert resolved_global_batch_size(c, 4) == 16  # 2 microbatches per step
+
+
+def test_every_numeric_setting_has_a_range():
+    from titan_ulysses.config.ranges import EXEMPT, RANGES, numeric_fields
+
+    fields = set(numeric_fields(load_config([])))
+    assert fields - set(RANGES) - EXEMPT == set(), "numeric settings without a range"
+    assert set(RANGES) - fields == set(), "ranges of settings that do not exist"

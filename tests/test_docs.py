@@ -42,6 +42,7 @@ TROUBLES = [  # (arguments, world size); each error's text must be quoted in the
     (["--config", "train_configs/llama3_1b_long.toml", "--model.flavor", "3B", "--parallelism.ulysses_degree", "3"], 3),
     (["--config", "train_configs/debug_model.toml"], 1),
     (["--config", "train_configs/debug_model.toml", "--training.seq_lenn", "1024"], 2),
+    (["--config", "train_configs/debug_model.toml", "--optimizer.lr", "nan"], 2),
 ]
 
 

@@ -112,3 +112,16 @@ def test_script_recommends_a_valid_layout_and_refuses_bad_input(capsys):
     with pytest.raises(SystemExit, match="seq_len 1001 is not divisible by ulysses_degree 8"):
         estimate_memory.main(["--config", "train_configs/llama3_8b_128k.toml", "--world-size", "8",
                               "--training.seq_len", "1001"])
+
+
+def test_a_config_beyond_the_device_is_a_warning_naming_the_recommendation():
+    from titan_ulysses.config.manager import load_config, validate
+    from titan_ulysses.metrics.memory_fit import memory_warning
+
+    config = ["--config", "train_configs/llama3_8b_128k.toml"]
+    shipped = load_config(config)
+    assert memory_warning(shipped, validate(shipped, 8), 8, 80 * 2**30) is None
+    long = load_config(config + ["--training.seq_len", "1048576"])
+    warning = memory_warning(long, validate(long, 8), 8, 80 * 2**30)
+    assert "more than the device's 80.0 GiB" in warning
+    assert "scripts/estimate_memory.py recommends --parallelism.ulysses_degree" in warning

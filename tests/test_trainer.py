@@ -70,6 +70,15 @@ def run(world, argv, tmp, name, hooks=None):
     return read_metrics(folder)
 
 
+def saved_rng(step_dir):
+    """Rank 0's generator state saved in a checkpoint (read without a process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"train_state": {"rng": torch.get_rng_state().clone()}}
+    dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    return state["train_state"]["rng"]
+
+
 def losses(metrics):
     return {m["step"]: m["loss"] for m in metrics}
 
@@ -103,6 +112,9 @@ def test_resume_equals_uninterrupted_and_reshards(tmp_path):
     run(2, ["--training.steps", "3"] + ckpt + layout(sp=2), tmp_path, "resumed")
     resumed = losses(run(2, ["--training.steps", "6"] + ckpt + layout(sp=2), tmp_path, "resumed"))
     assert_losses_equal(resumed, full, range(4, 7))
+    # the generator state saved after a resume is that of the uninterrupted run, not one draw ahead
+    assert torch.equal(saved_rng(tmp_path / "resumed" / "checkpoint" / "step-6"),
+                       saved_rng(tmp_path / "full" / "checkpoint" / "step-6"))
     # another layout: written at sp=2 on 2 ranks, resumed at dp_shard=2 x sp=2 on 4 ranks
     run(2, ["--training.steps", "3"] + ckpt + layout(sp=2), tmp_path, "resharded")
     resharded = losses(

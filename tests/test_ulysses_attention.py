@@ -107,3 +107,19 @@ def test_plain_sdpa_backend_is_causal():
     out = SDPAAttention()(q, k, v)
     # the first token only sees itself
     assert_close(out[:, 0], v[:, 0], "first token output")
+
+
+def _unequal_slices():
+    sp_mesh = _sp_mesh(2)
+    rank = sp_mesh.get_local_rank()
+    attn = UlyssesAttention(SDPAAttention(), sp_mesh)
+    s_local = 5 if rank == 0 else 4  # a caller that split 9 tokens without padding
+    q = torch.randn(1, s_local, 4, 8)
+    with pytest.raises(ValueError, match=r"the 2 ranks of the sp group hold sequence slices of lengths \[5, 4\]"):
+        attn(q, q, q)
+    out = attn(torch.randn(1, 4, 4, 8), torch.randn(1, 4, 4, 8), torch.randn(1, 4, 4, 8))  # the group still works
+    assert out.shape == (1, 4, 4, 8)
+
+
+def test_unequal_slice_lengths_are_a_clear_error():
+    run_distributed(_unequal_slices, 2)

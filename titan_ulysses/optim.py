@@ -50,3 +50,21 @@ def build_lr_scheduler(optimizer, total_steps: int, warmup_steps: int, decay_rat
         return wsd_factor(step, total_steps, warmup_steps, decay_ratio, decay_type, min_lr_factor)
 
     return LambdaLR(optimizer, factor)
+
+
+def apply_hyperparameters(optimizer, lr_scheduler: LambdaLR, lr: float, weight_decay: float, eps: float,
+                          betas: tuple[float, float]) -> None:
+    """Make a restored optimizer and schedule follow the config: on resume what the user sets wins.
+
+    Loading a checkpoint brings back the param groups (lr, betas, eps, weight decay) and the
+    scheduler's ``base_lrs`` as they were saved, which would silently override the command
+    line. The schedule keeps its restored step count (``last_epoch``); its shape is the
+    config's (the lambda is built from it, never saved), and its peak is ``lr``.
+    """
+    for group in optimizer.param_groups:
+        group.update(initial_lr=lr, weight_decay=weight_decay, eps=eps, betas=betas)
+    lr_scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    lrs = [lr * fn(lr_scheduler.last_epoch) for fn in lr_scheduler.lr_lambdas]
+    for group, value in zip(optimizer.param_groups, lrs):
+        group["lr"] = value
+    lr_scheduler._last_lr = lrs

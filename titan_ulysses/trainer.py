@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -13,6 +15,7 @@ import torch.distributed as dist
 
 from titan_ulysses.checkpoint.hf import load_hf_weights
 from titan_ulysses.checkpoint.hf_export import write_model_record
+from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
 from titan_ulysses.checkpoint.manager import CheckpointManager, complete_steps
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import (
@@ -29,6 +32,7 @@ from titan_ulysses.data.tokenizer import build_tokenizer
 from titan_ulysses.distributed.float8 import precompute_float8_scales
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, global_token_count, load_full_state_dict
+from titan_ulysses.distributed.watchdog import exit_with_launcher, set_timeouts
 from titan_ulysses.metrics.comm import ulysses_bytes_per_step
 from titan_ulysses.metrics.flops import flops_per_token, peak_flops
 from titan_ulysses.metrics.logger import MetricsLogger, max_memory_gib
@@ -37,7 +41,7 @@ from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling, get_flavor
 from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
 from titan_ulysses.ops.attention import build_attention_mask
-from titan_ulysses.optim import build_lr_scheduler, build_optimizer
+from titan_ulysses.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Backends that honour document ids; with sdpa, packed documents attend causally across
@@ -46,7 +50,29 @@ DOC_MASK_BACKENDS = ("flex", "flash_attn")
 
 
 class NonFiniteLossError(RuntimeError):
-    pass
+    """The loss, the gradient norm or the learning rate of a step is NaN/inf: the run stops
+    before the optimizer touches the weights."""
+
+
+# What a resume may change (the config wins over the checkpoint); saved with each checkpoint
+# so that the resumed run can say what changed.
+RESUME_SETTINGS = (
+    "optimizer.lr", "optimizer.weight_decay", "optimizer.eps", "optimizer.beta1", "optimizer.beta2",
+    "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio", "lr_scheduler.decay_type",
+    "lr_scheduler.min_lr_factor", "training.steps", "training.max_norm",
+)
+
+
+def resume_settings(config: JobConfig) -> dict:
+    return {key: getattr(getattr(config, key.split(".")[0]), key.split(".")[1]) for key in RESUME_SETTINGS}
+
+
+def settings_changes(saved: dict | None, current: dict) -> str:
+    """``key old -> new, ...`` for the settings the config changes from the checkpoint's."""
+    if saved is None:
+        return "the checkpoint records no settings; the config's apply"
+    changed = [f"{k} {saved[k]} -> {v}" for k, v in current.items() if k in saved and saved[k] != v]
+    return "the config changes " + ", ".join(changed) if changed else "settings as in the checkpoint"
 
 
 def model_args(config: JobConfig, vocab_size: int) -> LlamaArgs:
@@ -65,12 +91,14 @@ def model_args(config: JobConfig, vocab_size: int) -> LlamaArgs:
     return dataclasses.replace(args, **overrides)
 
 
-def init_distributed(fake_world_size: int = 0) -> torch.device:
+def init_distributed(fake_world_size: int = 0, timeout_seconds: float | None = None) -> torch.device:
     """Join the torchrun job (or run as a world of one); NCCL on CUDA, gloo on CPU.
 
     With ``fake_world_size`` > 0, become rank 0 of that many ranks on PyTorch's fake
-    process group (collectives return at once and move no data).
+    process group (collectives return at once and move no data). ``timeout_seconds``
+    bounds the rendezvous and every collective until ``set_timeouts`` changes it.
     """
+    timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -84,7 +112,7 @@ def init_distributed(fake_world_size: int = 0) -> torch.device:
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # plain `python train.py`
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", RANK="0", WORLD_SIZE="1")
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
     return device
 
 
@@ -113,15 +141,26 @@ class Trainer:
         self.parallel_dims: ParallelDims = validate(config, world_size)  # before any process group work
         check_files(config)
         self.fake = config.comm.mode == "fake"
-        self.device = init_distributed(config.comm.fake_world_size if self.fake else 0)
+        exit_with_launcher()
+        self.device = init_distributed(config.comm.fake_world_size if self.fake else 0, config.comm.init_timeout_seconds)
         if self.device.type == "cpu" and config.model.attn_backend != "sdpa":
             raise ConfigError(
                 f"model.attn_backend {config.model.attn_backend!r} cannot train on CPU (FlexAttention has no CPU "
                 f"backward and flash-attn is CUDA-only); use model.attn_backend 'sdpa' on CPU"
             )
         self.rank = dist.get_rank()
+        if self.device.type == "cuda" and self.rank == 0:
+            from titan_ulysses.metrics.memory_fit import memory_warning
+
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            warning = memory_warning(config, self.parallel_dims, dist.get_world_size(), total)
+            if warning:
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
         pd = self.parallel_dims
         pd.build_mesh(self.device.type)
+        if not self.fake:
+            set_timeouts(config.comm.init_timeout_seconds)  # the mesh's groups took gloo's 30-minute default
+        self.lock = self._lock_dump_folder()
         t = config.training
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -171,7 +210,8 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             folder=ckpt_folder, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, enable=c.enable, interval=c.interval,
-            async_mode=c.async_mode, keep_latest_k=c.keep_latest_k,
+            async_mode=c.async_mode, keep_latest_k=c.keep_latest_k, settings=resume_settings(config),
+            timeout_seconds=config.comm.init_timeout_seconds,
             extras=lambda d: write_model_record(d, self.args, config.model.hf_assets_path),
         )
         self.step = self.checkpointer.load() if c.enable else 0
@@ -182,6 +222,11 @@ class Trainer:
                 self.checkpointer.load_model_only(c.initial_load_path)
             else:
                 self.step = self.checkpointer.load_from(c.initial_load_path)
+        resumed = ""
+        if self.step > 0:  # the config wins over the restored optimizer and schedule
+            apply_hyperparameters(self.optimizer, self.lr_scheduler, o.lr, o.weight_decay, o.eps, (o.beta1, o.beta2))
+            resumed = f"; resumed: {settings_changes(self.checkpointer.loaded_settings, resume_settings(config))}"
+        self.nonfinite_in_a_row = 0
         self.metrics = MetricsLogger(config.job.dump_folder, self.rank, config.metrics.enable_tensorboard)
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
         self.peak_flops = peak_flops(self.device)
@@ -200,10 +245,28 @@ class Trainer:
                 f"titan-ulysses: {self.args.num_params() / 1e6:.1f}M params, {source}, "
                 f"layout {pd.degrees}, global batch {self.global_batch_size} x {t.seq_len} tokens "
                 f"({self.accumulation_steps} microbatch(es)), device {self.device.type}, starting at step {self.step}"
+                + resumed
                 + (f"\nFAKE process group: rank 0 of {dist.get_world_size()}; memory and compute are real, "
                    f"losses are not" if self.fake else ""),
                 flush=True,
             )
+
+    def _lock_dump_folder(self) -> RunLock | None:
+        """Rank 0 takes the dump folder's lock for the life of the run; a refusal reaches every rank."""
+        lock, error = None, None
+        if self.rank == 0:
+            lock = RunLock(self.config.job.dump_folder)
+            try:
+                note = lock.acquire()
+                if note:
+                    print(f"warning: {note}", file=sys.stderr, flush=True)
+            except FolderInUseError as e:
+                lock, error = None, str(e)
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise FolderInUseError(box[0])
+        return lock
 
     def _on_preempt(self, signum, frame) -> None:
         self._preempted = True
@@ -234,32 +297,66 @@ class Trainer:
             loss.backward()
             total += loss.detach()
         global_loss = dist_sum(total, loss_mesh).item()
-        if not self.fake and not math.isfinite(global_loss):
-            raise NonFiniteLossError(
-                f"loss is {global_loss} at step {self.step + 1}; stopping without saving, "
-                f"the last good checkpoint is kept"
-            )
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm).item()
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        lr = next((x for x in lrs if not math.isfinite(x)), lrs[0])
+        if not self.fake and not all(map(math.isfinite, (global_loss, grad_norm, lr))):
+            # every rank sees the same reduced loss, norm and lr: all skip or all stop
+            self.optimizer.zero_grad(set_to_none=True)
+            self._nonfinite_step(global_loss, grad_norm, lr)
+            return {"loss": global_loss, "grad_norm": grad_norm, "skipped": True}
+        self.nonfinite_in_a_row = 0
         self.optimizer.step()
         precompute_float8_scales(self.model, self.float8)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": global_loss, "grad_norm": grad_norm.item()}
+        return {"loss": global_loss, "grad_norm": grad_norm}
+
+    def _nonfinite_step(self, global_loss: float, grad_norm: float, lr: float) -> None:
+        """Skip this step's update (``training.skip_nonfinite_steps`` in a row at most) or stop."""
+        step = self.step + 1
+        if not math.isfinite(global_loss):
+            what = f"loss is {global_loss} at step {step}"
+        elif not math.isfinite(grad_norm):
+            what = f"gradient norm is {grad_norm} at step {step} (loss {global_loss:.4f})"
+        else:
+            what = f"learning rate is {lr} at step {step}"
+        limit = self.config.training.skip_nonfinite_steps
+        self.nonfinite_in_a_row += 1
+        if math.isfinite(lr) and self.nonfinite_in_a_row <= limit:
+            if self.rank == 0:
+                print(f"{what}: update skipped (weights, optimizer and schedule unchanged), "
+                      f"{self.nonfinite_in_a_row} of training.skip_nonfinite_steps {limit} in a row", flush=True)
+            return
+        newest = self.checkpointer.latest_step() if self.checkpointer.enable else None
+        kept = ("checkpointing is off" if not self.checkpointer.enable else "no checkpoint has been saved yet"
+                if newest is None else f"the newest checkpoint, step-{newest}, is kept")
+        in_a_row = f" ({self.nonfinite_in_a_row} such steps in a row)" if limit else ""
+        raise NonFiniteLossError(f"{what}{in_a_row}; stopping before the optimizer step, nothing saved; {kept}")
 
     def train(self) -> None:
         t = self.config.training
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._on_preempt)
+        # Creating the iterator draws a base seed from the global generator that nothing uses
+        # (no worker processes); undone, so that the generator a checkpoint saves is the same
+        # in a resumed run as in an uninterrupted one.
+        rng = torch.get_rng_state()
         data_iter = iter(self.dataloader)
+        torch.set_rng_state(rng)
         tokens_per_step = self.global_batch_size * t.seq_len
         world = dist.get_world_size()
         timer, steps_timed = time.perf_counter(), 0
+        first_step = True
         try:
             while self.step < t.steps:
                 lr = self.lr_scheduler.get_last_lr()[0]
                 out = self.train_step(data_iter)
                 self.step += 1
                 steps_timed += 1
+                if first_step and not self.fake:  # start-up and compilation are over
+                    set_timeouts(self.config.comm.train_timeout_seconds, exclude=(self.checkpointer.group,))
+                first_step = False
                 if self.step % self.config.metrics.log_freq == 0 or self.step == 1 or self.step == t.steps:
                     elapsed = time.perf_counter() - timer
                     tps = tokens_per_step * steps_timed / elapsed / world
@@ -277,9 +374,18 @@ class Trainer:
                     if self.rank == 0:
                         print(f"preempted: saved step {self.step}, exiting", flush=True)
                     break
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower():
+                raise
+            limit = "comm.init_timeout_seconds" if first_step else "comm.train_timeout_seconds"
+            raise RuntimeError(f"step {self.step + 1}: a collective waited longer than {limit} "
+                               f"({getattr(self.config.comm, limit.split('.')[1])}s) for another rank: one stalled or "
+                               f"died (see its log); the newest checkpoint is the one to resume from") from e
         finally:
             self.checkpointer.close()
             self.metrics.close()
+            if self.lock is not None:
+                self.lock.release()
 
     def _preempted_anywhere(self) -> bool:
         """A signal may reach only some ranks: agree on it so that all of them save together."""

@@ -1,9 +1,17 @@
 """Save and resume with torch.distributed.checkpoint (DCP); complete or absent.
 
-Layout on disk: ``{folder}/step-{N}/`` holds one checkpoint (DCP shards + ``.metadata``).
-A save is written to ``step-{N}.tmp`` and renamed to ``step-{N}`` by rank 0 only once
-every rank's data and the metadata are on disk, so a crash or a failing save never leaves
-a half checkpoint that resume would pick, and never touches the last good one.
+Layout on disk: ``{folder}/step-{N}/`` holds one checkpoint (DCP shards + ``.metadata`` +
+``manifest.json``). A save is written to ``step-{N}.tmp``; once every rank's data and the
+metadata are on disk, the ranks checksum the files (each a share), rank 0 writes the
+manifest (``manifest.py``) and renames the folder to ``step-{N}``. A crash or a failing
+save therefore never leaves a half checkpoint that resume would pick, and never touches the
+last good one. Weights or optimizer state holding NaN/inf are never saved (``safety.py``).
+
+Resume (``load()``) takes the newest checkpoint that passes verification (every file there,
+with its size and checksum) and loads; one that fails either is renamed to ``step-N.bad``
+with a warning naming the file and why, and the previous one is tried. At start-up
+leftover ``step-N.tmp`` folders are removed and ``step-N`` folders without ``.metadata``
+are set aside, so nothing stale blocks a later save.
 
 Rank 0 adds the files of ``extras(step_dir)`` (the model record of ``hf_export.py``) to
 the ``.tmp`` folder before the rename, so they are part of the complete checkpoint.
@@ -15,18 +23,26 @@ Async saves (``async`` / ``async_with_pinned_mem``) copy the state to host memor
 ``save()`` and write it from a background thread over a dedicated gloo group; the copy
 is what gets written, so training may go on changing the parameters. At most one save is
 in flight: the next ``save()``, ``wait()``, ``load()`` or ``close()`` finishes (commits) it.
+
+Every collective of checkpointing runs on the manager's own gloo group, whose timeout
+(``comm.init_timeout_seconds``) is longer than the training loop's: writing and checksumming
+a large checkpoint takes minutes.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import re
 import shutil
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -35,8 +51,30 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titan_ulysses.checkpoint import manifest
+from titan_ulysses.checkpoint.safety import explain_save_error, is_out_of_space, nonfinite_tensors, set_aside, state_bytes
+
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+LOAD_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException is a BaseException
+
+
+class NonFiniteStateError(RuntimeError):
+    """The weights or optimizer state hold NaN/inf: nothing was saved."""
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _publish(tmp: str, final: str) -> None:
+    """The commit: one atomic rename, then the folder's entry flushed to disk."""
+    os.rename(tmp, final)
+    fd = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class _Model(Stateful):
@@ -62,20 +100,24 @@ class _Optimizer(Stateful):
 
 
 class _TrainState(Stateful):
-    """Step and RNG. Rank 0 alone saves its generator states; on load every rank gets them.
+    """Step, RNG and the run's settings. Rank 0 alone saves its generator states; on load every
+    rank gets them. ``settings`` (JSON of the config values a resume may change, see the
+    trainer) lets the resumed run say what its config changed.
 
     ``keys`` is the set of ``train_state`` entries a checkpoint holds (a checkpoint written
     without CUDA has no ``cuda_rng``); None when saving.
     """
 
-    def __init__(self, step: int = 0, keys: set[str] | None = None):
-        self.step, self.keys = step, keys
+    def __init__(self, step: int = 0, keys: set[str] | None = None, settings: dict | None = None):
+        self.step, self.keys, self.settings = step, keys, settings
 
     def state_dict(self):
         state = {"step": self.step}
         saving = self.keys is None
         if saving and dist.get_rank() != 0:
             return state  # replicated entries would otherwise be written by whichever rank DCP picks
+        if (saving and self.settings is not None) or (not saving and "settings" in self.keys):
+            state["settings"] = json.dumps(self.settings) if saving else ""
         if saving or "rng" in self.keys:
             state["rng"] = torch.get_rng_state()
         if torch.cuda.is_available() and (saving or "cuda_rng" in self.keys):
@@ -84,6 +126,7 @@ class _TrainState(Stateful):
 
     def load_state_dict(self, state_dict):
         self.step = int(state_dict["step"])
+        self.settings = json.loads(state_dict["settings"]) if state_dict.get("settings") else None
         if "rng" in state_dict:
             torch.set_rng_state(state_dict["rng"])
         if "cuda_rng" in state_dict and torch.cuda.is_available():
@@ -112,7 +155,8 @@ def _check(path: str) -> None:
 
 class CheckpointManager:
     def __init__(self, *, folder: str, model, optimizer, lr_scheduler, dataloader, enable: bool,
-                 interval: int, async_mode: str = "disabled", keep_latest_k: int = 0, extras=None):
+                 interval: int, async_mode: str = "disabled", keep_latest_k: int = 0,
+                 settings: dict | None = None, timeout_seconds: float | None = None, extras=None):
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"checkpoint.async_mode {async_mode!r} is not one of {list(ASYNC_MODES)}")
         if interval < 1:
@@ -124,15 +168,19 @@ class CheckpointManager:
         self.model, self.optimizer = model, optimizer
         self.lr_scheduler, self.dataloader = lr_scheduler, dataloader
         self.extras = extras
+        self.settings = settings  # saved with each checkpoint
+        self.loaded_settings: dict | None = None  # those of the checkpoint loaded, when it has them
         self.rank = dist.get_rank()
         self._pending = None  # (future, step) of an async save in flight
         self._last_saved = None
-        self._async_pg = None
+        self._pg = None
         self._stager = None
-        if enable and async_mode != "disabled":
-            # Background saves coordinate over their own CPU group: sharing a group with the
-            # training loop's collectives (NCCL, or even gloo) would interleave them and deadlock.
-            self._async_pg = dist.new_group(backend="gloo")
+        if enable:
+            # Checkpoint collectives run on their own CPU group: background saves sharing a group
+            # with the training loop's collectives (NCCL, or even gloo) would interleave with them
+            # and deadlock, and saves need a longer timeout than training steps.
+            timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
+            self._pg = dist.new_group(backend="gloo", timeout=timeout)
         if enable and async_mode == "async_with_pinned_mem":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -144,6 +192,11 @@ class CheckpointManager:
                 use_async_staging=False, use_non_blocking_copy=False,
             ))
 
+    @property
+    def group(self):
+        """The process group of checkpoint collectives (None: the default group)."""
+        return self._pg
+
     # -- paths ---------------------------------------------------------------------------
 
     def _dir(self, step: int) -> str:
@@ -154,14 +207,37 @@ class CheckpointManager:
         steps = complete_steps(self.folder)
         return steps[-1] if steps else None
 
+    def _newest_good(self) -> str | None:
+        step = self.latest_step()
+        return None if step is None else self._dir(step)
+
     def _state(self, step: int = 0, model_only: bool = False, train_keys: set[str] | None = None) -> dict:
         state = {"model": _Model(self.model)}
         if not model_only:
             state.update(
                 optimizer=_Optimizer(self.model, self.optimizer), lr_scheduler=self.lr_scheduler,
-                dataloader=self.dataloader, train_state=_TrainState(step, train_keys),
+                dataloader=self.dataloader, train_state=_TrainState(step, train_keys, self.settings),
             )
         return state
+
+    # -- collectives on the checkpoint group ---------------------------------------------
+
+    def _world(self) -> int:
+        return dist.get_world_size(self._pg)
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self._pg)
+
+    def _from_rank0(self, value):
+        """Rank 0's ``value`` on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._pg, 0) if self._pg else 0, group=self._pg)
+        return box[0]
+
+    def _gather(self, value) -> list:
+        out = [None] * self._world()
+        dist.all_gather_object(out, value, group=self._pg)
+        return out
 
     # -- saving --------------------------------------------------------------------------
 
@@ -172,27 +248,56 @@ class CheckpointManager:
         if self._last_saved == step or (self._pending is not None and self._pending[1] == step):
             return
         self._finish_pending()
+        self._refuse_nonfinite(step)
         final = self._dir(step)
-        if os.path.isdir(final):  # already complete (e.g. rerun after a resume): keep it
+        if os.path.isfile(os.path.join(final, ".metadata")):  # already complete (a rerun after a resume)
             self._last_saved = step
             return
         tmp = final + ".tmp"
         if self.rank == 0:
             os.makedirs(self.folder, exist_ok=True)
+            if os.path.isdir(final):  # incomplete (no .metadata): never let it block this save
+                _warn(f"{final} has no .metadata (an incomplete checkpoint); moved aside to {set_aside(final)}")
             for name in os.listdir(self.folder):  # leftovers of crashed or failed saves
                 if name.startswith("step-") and name.endswith(".tmp"):
                     shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
-        dist.barrier()
+        self._barrier()
         state = self._state(step)
         if self.async_mode == "disabled":
-            dcp.save(state, checkpoint_id=tmp)  # raises on every rank if any rank failed
+            try:
+                dcp.save(state, checkpoint_id=tmp, process_group=self._pg)  # raises on every rank if any failed
+            except LOAD_ERRORS as e:
+                self._explain(e, tmp)
+                raise
             self._commit(step)
             return
         kwargs = {"async_stager": self._stager} if self._stager is not None else {}
-        result = dcp.async_save(state, checkpoint_id=tmp, process_group=self._async_pg, **kwargs)
+        result = dcp.async_save(state, checkpoint_id=tmp, process_group=self._pg, **kwargs)
         # a stager staging in the background returns an AsyncSaveResponse; ours stages in place
         future = getattr(result, "upload_completion", result)
         self._pending = (future, step)
+
+    def _refuse_nonfinite(self, step: int) -> None:
+        """Raise on every rank if any rank's weights or optimizer state hold NaN/inf (collective)."""
+        found = [(r, bad) for r, bad in enumerate(self._gather(nonfinite_tensors(self.model, self.optimizer))) if bad]
+        if not found:
+            return
+        rank, bad = found[0]
+        good = self._newest_good()
+        kept = f"the newest checkpoint, {good}, is kept" if good else "no checkpoint had been saved"
+        raise NonFiniteStateError(
+            f"step {step}: {sum(len(b) for _, b in found)} tensor(s) of the weights or optimizer state hold "
+            f"NaN/inf (rank {rank}: {bad[0]}); nothing was saved and {kept}"
+        )
+
+    def _explain(self, error: BaseException, tmp: str) -> None:
+        """Re-raise a save's lack of space as an OSError naming the path and the space needed."""
+        if not is_out_of_space(error):
+            return
+        newest = self._newest_good()
+        files = manifest.read_manifest(newest) if newest else None
+        needed = sum(e["size"] for e in files.values()) if files else state_bytes(self.model, self.optimizer) * self._world()
+        raise explain_save_error(error, tmp, needed, newest) from error
 
     def _finish_pending(self) -> bool:
         """Wait for the save in flight and commit it; False when there was none."""
@@ -200,28 +305,48 @@ class CheckpointManager:
             return False
         future, step = self._pending
         self._pending = None
-        future.result()  # raises if the background save failed: nothing is committed
+        try:
+            future.result()  # raises if the background save failed: nothing is committed
+        except LOAD_ERRORS as e:
+            self._explain(e, self._dir(step) + ".tmp")
+            raise
         # rank 0's save ends by writing .metadata, after gathering every rank's write results
-        self._commit(step, barrier=False)
+        self._commit(step)
         return True
 
-    def _commit(self, step: int, barrier: bool = True) -> None:
+    def _commit(self, step: int) -> None:
+        """Checksum the written files (each rank a share), write the manifest, rename. Collective."""
+        final = self._dir(step)
+        tmp = final + ".tmp"
+        if self.rank == 0 and self.extras is not None:
+            self.extras(tmp)  # written before the manifest, so they are checked like the shards
+        names = self._from_rank0(manifest.data_files(tmp) if self.rank == 0 else None)
+        mine = manifest.share(names, dist.get_rank(self._pg), self._world())
+        entries = {}
+        for part in self._gather({name: manifest.checksum(os.path.join(tmp, name)) for name in mine}):
+            entries.update(part)
+        error = None
         if self.rank == 0:
-            final = self._dir(step)
-            if self.extras is not None:
-                self.extras(final + ".tmp")
-            os.rename(final + ".tmp", final)  # atomic: the checkpoint appears whole or not at all
-            if self.keep_latest_k > 0:
-                for old in complete_steps(self.folder)[: -self.keep_latest_k]:
-                    shutil.rmtree(self._dir(old), ignore_errors=True)
+            try:
+                manifest.write_manifest(tmp, step, entries)
+                _publish(tmp, final)  # atomic: the checkpoint appears whole or not at all
+                self._prune(keep=step)
+            except OSError as e:
+                error = f"committing {tmp}: {e}"
+        error = self._from_rank0(error)
+        if error:
+            raise OSError(error)
         self._last_saved = step
-        if barrier:
-            dist.barrier()
+
+    def _prune(self, keep: int) -> None:
+        if self.keep_latest_k > 0:
+            for old in complete_steps(self.folder)[: -self.keep_latest_k]:
+                if old != keep:  # never the checkpoint just committed
+                    shutil.rmtree(self._dir(old), ignore_errors=True)
 
     def wait(self) -> None:
         """Finish and commit an async save in flight (collective when one is)."""
-        if self._finish_pending():
-            dist.barrier()  # every rank now sees step-N
+        self._finish_pending()
 
     def close(self) -> None:
         self.wait()
@@ -231,24 +356,89 @@ class CheckpointManager:
 
     # -- loading -------------------------------------------------------------------------
 
+    def _clean_up(self) -> None:
+        """Rank 0, at start-up: remove leftover ``.tmp`` saves, set incomplete step folders aside."""
+        if self.rank == 0 and os.path.isdir(self.folder):
+            for name in sorted(os.listdir(self.folder)):
+                path = os.path.join(self.folder, name)
+                if name.startswith("step-") and name.endswith(".tmp"):
+                    _warn(f"removing {path}, an unfinished save of an earlier run")
+                    shutil.rmtree(path, ignore_errors=True)
+                elif _STEP_DIR.match(name) and not os.path.isfile(os.path.join(path, ".metadata")):
+                    _warn(f"{path} has no .metadata (an incomplete checkpoint); moved aside to {set_aside(path)}")
+        self._barrier()
+
+    def verify(self, path: str) -> str | None:
+        """Why ``path`` fails verification against its manifest, or None. Collective: each rank
+        checksums a share of the files, every rank gets the same answer."""
+        first = None
+        if self.rank == 0:
+            try:
+                files = manifest.read_manifest(path)
+                if files is None:
+                    _warn(f"{path} has no {manifest.MANIFEST} (written before checkpoints were verified): "
+                          f"loading it unverified")
+                else:
+                    first = manifest.check_sizes(path, files)
+            except ValueError as e:
+                files, first = None, str(e)
+        first, files = self._from_rank0((first, files) if self.rank == 0 else None)
+        if first or not files:
+            return first
+        mine = manifest.share(sorted(files), dist.get_rank(self._pg), self._world())
+        return next((r for r in self._gather(manifest.check_sums(path, mine, files)) if r), None)
+
     def load(self, step: int = -1) -> int:
-        """Load the latest (or the given) complete checkpoint of this run; the step loaded, or 0."""
+        """Resume: load the newest good checkpoint of this run (or the given step); the step, or 0.
+
+        Checkpoints that fail verification or loading are set aside (``step-N.bad``) with a
+        warning, and the previous one is tried.
+        """
         self.wait()
-        if step == -1:
-            step = self.latest_step()
-            if step is None:
-                return 0
-        return self.load_from(self._dir(step))
+        if step != -1:
+            return self.load_from(self._dir(step))
+        self._clean_up()
+        touched = None  # a checkpoint whose failed load may have changed the state in memory
+        for step in reversed(complete_steps(self.folder)):
+            path = self._dir(step)
+            reason = self.verify(path)
+            if reason is None:
+                try:
+                    loaded = self._load_full(path)
+                except LOAD_ERRORS as e:
+                    loaded, reason = None, f"loading failed: {type(e).__name__}: {str(e).strip()[:500]}"
+                reasons = [r for r in self._gather(reason) if r]  # every rank must have loaded
+                if not reasons:
+                    return loaded
+                reason, touched = reasons[0], path
+            if self.rank == 0:
+                _warn(f"checkpoint {path} is damaged: {reason}; moved aside to {set_aside(path)}, "
+                      f"falling back to the previous checkpoint")
+            self._barrier()
+        if touched is not None:
+            raise RuntimeError(
+                f"no checkpoint in {self.folder} could be loaded (the damaged ones were moved aside, see the "
+                f"warnings above); {touched} failed while loading, so the state in memory is not a clean start: "
+                f"rerun to start from step 0"
+            )
+        return 0
 
     def load_from(self, path: str) -> int:
         """Load the full training state from a ``step-N`` folder (any layout); returns its step."""
         _check(path)
+        reason = self.verify(path)
+        if reason:
+            raise ValueError(f"checkpoint {path} fails verification: {reason}")
+        return self._load_full(path)
+
+    def _load_full(self, path: str) -> int:
         keys = {
             key.split(".", 1)[1] for key in FileSystemReader(path).read_metadata().state_dict_metadata
             if key.startswith("train_state.")
         }
         state = self._state(train_keys=keys)
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, process_group=self._pg)
+        self.loaded_settings = state["train_state"].settings
         step = state["train_state"].step
         self._last_saved = step
         return step
@@ -256,4 +446,7 @@ class CheckpointManager:
     def load_model_only(self, path: str) -> None:
         """Load only the weights (start a new run from another run's model, e.g. context extension)."""
         _check(path)
-        dcp.load(self._state(model_only=True), checkpoint_id=path)
+        reason = self.verify(path)
+        if reason:
+            raise ValueError(f"checkpoint {path} fails verification: {reason}")
+        dcp.load(self._state(model_only=True), checkpoint_id=path, process_group=self._pg)

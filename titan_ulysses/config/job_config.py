@@ -78,6 +78,10 @@ class Training:
     """torch.use_deterministic_algorithms(True)."""
     max_norm: float = 1.0
     """Gradient clipping norm over all ranks (0 disables clipping)."""
+    skip_nonfinite_steps: int = 0
+    """A step whose loss or gradient norm is NaN/inf never reaches the weights. Up to this many such
+    steps in a row are skipped (weights, optimizer and schedule unchanged, the batch consumed, as
+    torchtitan and Megatron do); the next one stops the run. 0 stops at the first."""
     mixed_precision_param: str = "bfloat16"
     """Dtype parameters are gathered in for compute: bfloat16 or float32."""
     mixed_precision_reduce: str = "float32"
@@ -178,6 +182,12 @@ class Comm:
     """World size simulated when mode = "fake"."""
     link_bandwidth_gbps: float = 450.0
     """GB/s per direction between sp ranks, for the all-to-all time model (H100 NVLink: 450)."""
+    init_timeout_seconds: int = 300
+    """Collective timeout from start-up to the end of the first step (compilation included), and for
+    checkpoint saves and loads: a rank that never arrives ends the job after this long."""
+    train_timeout_seconds: int = 100
+    """Collective timeout after the first step: a stalled or dead rank ends the job after this long
+    instead of gloo's 30-minute (NCCL: 10-minute) default."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ from titan_ulysses.checkpoint.hf import check_hf_weights
 from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
 from titan_ulysses.config.job_config import CHOICES, JobConfig
 from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
+from titan_ulysses.config.ranges import check_ranges
 from titan_ulysses.data.sharding import check_seq_len
 from titan_ulysses.distributed.float8 import Float8Options, check_float8
 from titan_ulysses.distributed.parallel_dims import ParallelDims
@@ -125,17 +126,19 @@ def resolved_global_batch_size(config: JobConfig, dp: int) -> int:
 
 
 def validate(config: JobConfig, world_size: int) -> ParallelDims:
-    """Cross-field checks that need only the world size; returns the ParallelDims to build.
+    """Every setting's range (``config/ranges.py``), then the cross-field checks that need only
+    the world size; returns the ParallelDims to build.
 
     In ``comm.mode = "fake"`` the job must be one process and the layout is checked
     against ``comm.fake_world_size``.
     """
     p, t = config.parallelism, config.training
+    refusal = check_ranges(config)
+    if refusal:
+        raise ConfigError(refusal)
     if config.comm.mode == "fake":
         if world_size != 1:
             raise ConfigError(f"comm.mode 'fake' simulates a job in one process; launch 1 process, not {world_size}")
-        if config.comm.fake_world_size < 1:
-            raise ConfigError(f"comm.fake_world_size {config.comm.fake_world_size} must be >= 1")
         if config.checkpoint.enable:
             raise ConfigError("checkpoint.enable must be false with comm.mode 'fake' (its weights are not real)")
         if config.checkpoint.initial_load_in_hf:
@@ -156,13 +159,6 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp)
     except ValueError as e:
         raise ConfigError(f"parallelism.ulysses_degree / tensor_parallel_degree: {e} ({source})") from e
-    for key, value in (("training.seq_len", t.seq_len), ("training.local_batch_size", t.local_batch_size),
-                       ("training.steps", t.steps), ("optimizer.lr", config.optimizer.lr),
-                       ("checkpoint.interval", config.checkpoint.interval), ("metrics.log_freq", config.metrics.log_freq)):
-        if value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value}")
-    if not 1 <= t.passkey_digits <= 9:
-        raise ConfigError(f"training.passkey_digits must lie in [1, 9], got {t.passkey_digits}")
     try:
         check_seq_len(t.seq_len, dims.sp)
     except ValueError as e:
@@ -188,20 +184,11 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
                           "weights; set one")
     if t.dataset == "text" and not t.dataset_path:
         raise ConfigError("training.dataset 'text' needs training.dataset_path (a file or a folder of .txt/.jsonl/.parquet)")
-    if config.lr_scheduler.warmup_steps < 0:
-        raise ConfigError(f"lr_scheduler.warmup_steps {config.lr_scheduler.warmup_steps} must be >= 0")
-    if not 0.0 <= config.lr_scheduler.decay_ratio <= 1.0:
-        raise ConfigError(f"lr_scheduler.decay_ratio {config.lr_scheduler.decay_ratio} must be within [0, 1]")
-    if config.checkpoint.keep_latest_k < 0:
-        raise ConfigError(f"checkpoint.keep_latest_k {config.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
     if config.float8.enable:
         try:
             check_float8(float8_options(config), dims.tp)
         except (ValueError, ImportError) as e:
             raise ConfigError(str(e)) from e
-    for key in ("loss_chunk_size", "mlp_tile_size"):
-        if getattr(config.model, key) < 0:
-            raise ConfigError(f"model.{key} {getattr(config.model, key)} must be >= 0 (0 turns it off)")
     return dims
 
 

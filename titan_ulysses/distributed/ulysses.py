@@ -18,6 +18,7 @@ capped by the number of kv heads. Autograd sums the gradients of the replicas.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -122,6 +123,11 @@ class UlyssesAttention(nn.Module):
     local attention sees.
     """
 
+    check_slices = True
+    """Check in eager mode that every rank holds as many tokens (one all_gather of an int per call;
+    compiled code skips it). Unequal slices would otherwise abort the process inside gloo (or
+    hang NCCL) with no hint of the cause."""
+
     def __init__(self, local_attention: nn.Module, sp_mesh: DeviceMesh):
         super().__init__()
         if sp_mesh.ndim != 1:
@@ -129,10 +135,27 @@ class UlyssesAttention(nn.Module):
         self.local_attention = local_attention
         self.sp = sp_mesh.size()
         self.group = sp_mesh.get_group()
+        self._can_check = self.sp > 1 and dist.get_backend(self.group) != "fake"  # fake collectives return nothing
+
+    def _check_slice(self, q: torch.Tensor) -> None:
+        """Raise ValueError on every rank if the sp ranks' slices differ in length."""
+        if not (self.check_slices and self._can_check) or torch.compiler.is_compiling():
+            return
+        mine = torch.tensor([q.shape[1]], dtype=torch.int64, device=q.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.sp)]
+        dist.all_gather(gathered, mine, group=self.group)
+        lengths = [int(x) for x in gathered]
+        if len(set(lengths)) > 1:
+            raise ValueError(
+                f"UlyssesAttention: the {self.sp} ranks of the sp group hold sequence slices of lengths "
+                f"{lengths}; every rank must hold S/ulysses_degree tokens. Pad the sequence to a multiple of "
+                f"ulysses_degree before splitting it (titan_ulysses.data.sharding.shard_for_sp does)"
+            )
 
     def forward(self, q, k, v, *args, **kwargs):
         if self.sp == 1:
             return self.local_attention(q, k, v, *args, **kwargs)
+        self._check_slice(q)
         rep = kv_replication_factor(q.shape[2], k.shape[2], self.sp)
         if rep > 1:
             # kv head j serves q heads of ranks j*rep ... j*rep+rep-1: after the exchange

@@ -1,10 +1,18 @@
-"""Step metrics to the console, to tensorboard when enabled, and always to metrics.jsonl (rank 0)."""
+"""Step metrics to the console, to tensorboard when enabled, and always to metrics.jsonl (rank 0).
+
+``metrics.jsonl`` only ever holds whole lines: each line is appended in one write, and a
+write that fails (a full disk) is cut back off, with an error naming the file and the
+space it needed; a partial last line left by an older crash is dropped at start-up.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
+import shutil
+import sys
 import time
 
 import torch
@@ -24,6 +32,7 @@ class MetricsLogger:
         self.tb = None
         if rank == 0:
             os.makedirs(dump_folder, exist_ok=True)
+            _drop_partial_line(self.jsonl_path)
             if enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -41,8 +50,7 @@ class MetricsLogger:
             + f"mem {metrics['max_memory_gib']:.2f} GiB",
             flush=True,
         )
-        with open(self.jsonl_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        append_line(self.jsonl_path, json.dumps(metrics))
         if self.tb is not None:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -51,3 +59,39 @@ class MetricsLogger:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def append_line(path: str, line: str) -> None:
+    """Append ``line`` and a newline to ``path`` whole, or raise OSError and leave the file as it was."""
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes written")
+        except OSError as e:
+            try:
+                os.ftruncate(fd, start)  # never leave half a line
+            except OSError:
+                pass
+            free = shutil.disk_usage(os.path.dirname(path) or ".").free
+            raise OSError(e.errno, f"cannot append a line of {len(data)} bytes to {path} ({e.strerror or e}; "
+                                   f"{free} bytes free on that filesystem)") from e
+    finally:
+        os.close(fd)
+
+
+def _drop_partial_line(path: str) -> None:
+    """Cut a last line without its newline (a crash mid-write by an older version) off ``path``."""
+    try:
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                keep = data.rfind(b"\n") + 1
+                f.truncate(keep)
+                print(f"warning: dropped a partial last line of {path} ({len(data) - keep} bytes)",
+                      file=sys.stderr, flush=True)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,299 @@
+"""Faults a long run must survive (issue 15), end to end with the trainer on gloo.
+
+Each test is a failure seen on the code before issue 15: a NaN learning rate on resume
+saved NaN weights as good; a resumed run ignored ``--optimizer.lr``; a damaged newest
+checkpoint was not survived; a full disk crashed every rerun; two runs shared a folder; a
+frozen rank stalled the job for 30 minutes; ranks outlived their launcher; a config error
+was printed once per rank.
+"""
+
+import contextlib
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from test_trainer import BASE, layout, read_metrics
+from titan_ulysses.config.manager import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+FAST = BASE + layout(sp=2) + ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+
+
+def _train(argv, hook=None):
+    from titan_ulysses.trainer import Trainer
+
+    trainer = Trainer(load_config(argv))
+    if hook == "nan_lr":  # what `--lr_scheduler.min_lr_factor nan` did before validation refused it
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = float("nan")
+    if hook == "nan_grad_at_2":
+        import titan_ulysses.trainer as trainer_module
+
+        real_clip = trainer_module.clip_grad_norm_
+
+        def nan_norm(params, max_norm):
+            norm = real_clip(params, max_norm)
+            return norm * float("nan") if trainer.step == 1 else norm
+
+        trainer_module.clip_grad_norm_ = nan_norm
+    if hook == "disk_full_at_4":
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        real = FileSystem.create_stream
+
+        @contextlib.contextmanager
+        def full_disk(self, path, mode):
+            if "step-4.tmp" in str(path) and "w" in mode:
+                with real(self, path, mode) as f:
+                    f.write(b"half a shard")
+                    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            with real(self, path, mode) as f:
+                yield f
+
+        FileSystem.create_stream = full_disk
+    if hook == "stall_rank1_at_2" and dist.get_rank() == 1:
+        step_fn = trainer.train_step
+
+        def stall(data_iter):
+            if trainer.step == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen, not dead: its sockets stay open
+            return step_fn(data_iter)
+
+        trainer.train_step = stall
+    trainer.train()
+
+
+def run(argv, folder, hook=None, world=2):
+    run_distributed(_train, world, FAST + argv + ["--job.dump_folder", str(folder)], hook)
+    return read_metrics(folder)
+
+
+def steps_on_disk(folder):
+    return sorted(os.listdir(os.path.join(folder, "checkpoint")))
+
+
+# -- non-finite state never saved; on resume the config wins -----------------------------------
+
+def test_nan_lr_on_resume_saves_nothing_and_a_lower_lr_is_applied(tmp_path, capfd):
+    folder = tmp_path / "run"
+    run(["--training.steps", "2", "--checkpoint.keep_latest_k", "1"], folder)
+    with pytest.raises(Exception, match=r"learning rate is nan at step 3; stopping before the optimizer step, "
+                                        r"nothing saved; the newest checkpoint, step-2, is kept"):
+        run(["--training.steps", "4", "--checkpoint.keep_latest_k", "1"], folder, "nan_lr")
+    assert steps_on_disk(folder) == ["step-2"]
+    capfd.readouterr()
+    # the guide's advice after a NaN: rerun with a lower learning rate; it must apply
+    metrics = run(["--training.steps", "3", "--optimizer.lr", "1e-3", "--training.max_norm", "0.5"], folder)
+    out = capfd.readouterr().out
+    assert "starting at step 2; resumed: the config changes optimizer.lr 0.003 -> 0.001, training.steps 2 -> 3, " \
+           "training.max_norm 1.0 -> 0.5" in out, out
+    assert metrics[-1]["step"] == 3 and metrics[-1]["lr"] == pytest.approx(1e-3)  # warmup over: the peak
+    assert steps_on_disk(folder) == ["step-2", "step-3"]
+    assert os.path.isfile(folder / "checkpoint" / "step-3" / "manifest.json")
+
+
+def test_a_nonfinite_grad_norm_skips_the_update_or_stops(tmp_path):
+    metrics = run(["--training.steps", "3", "--training.skip_nonfinite_steps", "1"], tmp_path / "skip",
+                  "nan_grad_at_2")
+    assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[1].get("skipped") and "skipped" not in metrics[2]
+    # the schedule did not advance over the skipped step: step 3 uses step 2's learning rate
+    assert metrics[2]["lr"] == metrics[1]["lr"] == pytest.approx(2e-3)
+    with pytest.raises(Exception, match=r"gradient norm is nan at step 2 \(loss .*\); stopping before the optimizer "
+                                        r"step, nothing saved; no checkpoint has been saved yet"):
+        run(["--training.steps", "3"], tmp_path / "stop", "nan_grad_at_2")
+
+
+# -- a damaged newest checkpoint falls back; a full disk keeps the last good one ------------
+
+def test_damaged_checkpoint_falls_back_and_a_full_disk_keeps_the_last_good_one(tmp_path, capfd):
+    folder = tmp_path / "run"
+    run(["--training.steps", "4"], folder)
+    shard = folder / "checkpoint" / "step-4" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # bytes changed inside a tensor file
+    shard.write_bytes(bytes(data))
+    capfd.readouterr()
+    # the rerun falls back to step-2; then its save of step 4 finds the disk full
+    with pytest.raises(Exception, match=r"no space left on device while saving .*step-4.tmp: a checkpoint of this "
+                                        r"run needs about .* GiB and .* GiB are free on that filesystem; the newest "
+                                        r"good checkpoint, .*step-2, is kept"):
+        run(["--training.steps", "6"], folder, "disk_full_at_4")
+    err = capfd.readouterr().err
+    assert f"{shard} does not match its checksum" in err and "falling back to the previous checkpoint" in err
+    assert steps_on_disk(folder) == ["step-2", "step-4.bad", "step-4.tmp"]
+    with open(folder / "metrics.jsonl") as f:
+        assert all(line.endswith("\n") and json.loads(line) for line in f)
+    metrics = run(["--training.steps", "6"], folder)  # the leftover .tmp is removed at start-up
+    assert [m["step"] for m in metrics][-4:] == [3, 4, 5, 6]  # from step-2 again
+    assert steps_on_disk(folder) == ["step-2", "step-4", "step-4.bad", "step-6"]
+    assert os.path.isfile(folder / "checkpoint" / "step-6" / "manifest.json")
+
+
+def test_metrics_lines_stay_whole_when_a_write_fails(tmp_path, monkeypatch):
+    from titan_ulysses.metrics import logger as metrics_logger
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "lo')  # a line cut by an older crash
+    log = metrics_logger.MetricsLogger(str(tmp_path), 0, False)
+    assert path.read_text() == '{"step": 1}\n'
+    real = os.write
+
+    def short_write(fd, data):
+        real(fd, data[:5])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(metrics_logger.os, "write", short_write)
+    row = {"step": 3, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_sec_per_device": 1.0, "max_memory_gib": 0}
+    with pytest.raises(OSError, match=rf"cannot append a line of \d+ bytes to {path} \(No space left on device; "
+                                      r"\d+ bytes free on that filesystem\)"):
+        log.log(row)
+    assert path.read_text() == '{"step": 1}\n'
+
+
+# -- one run per dump folder; stalls and orphans end ------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_rank(argv, rank, world, port, hook="none"):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+               WORLD_SIZE=str(world), PYTHONPATH=os.pathsep.join([ROOT, TESTS]), OMP_NUM_THREADS="1")
+    code = "import sys; from test_run_safety import _train; _train(sys.argv[2:], sys.argv[1])"
+    return subprocess.Popen([sys.executable, "-c", code, hook, *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.1)
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes(tmp_path):
+    folder = tmp_path / "run"
+    argv = BASE + layout() + ["--training.steps", "3", "--checkpoint.enable", "true", "--job.dump_folder", str(folder)]
+    first = _spawn_rank(argv, 0, 1, _free_port())
+    lock = folder / ".run.lock"
+    _wait_for(lambda: lock.exists() and f'"pid": {first.pid}' in lock.read_text(), 120, "the first run took no lock")
+    first.send_signal(signal.SIGSTOP)  # hold it mid-run, lock taken
+    try:
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+                   WORLD_SIZE="1", PYTHONPATH=ROOT)
+        second = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env=env, capture_output=True,
+                                text=True, timeout=120)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert second.returncode == 2
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"refused: job.dump_folder {folder} is in use by another run "
+                                                   f"(pid {first.pid} on host {socket.gethostname()}"), second.stderr
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err[-3000:]
+    assert [m["step"] for m in read_metrics(folder)] == [1, 2, 3]
+    assert steps_on_disk(folder) == ["step-3"]
+
+
+def test_a_stalled_rank_ends_the_job_within_the_train_timeout(tmp_path):
+    port = _free_port()
+    argv = BASE + layout(sp=2) + ["--training.steps", "50", "--comm.train_timeout_seconds", "3",
+                                  "--job.dump_folder", str(tmp_path / "run")]
+    ranks = [_spawn_rank(argv, r, 2, port, "stall_rank1_at_2") for r in range(2)]
+    try:
+        def stopped():
+            with open(f"/proc/{ranks[1].pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+        _wait_for(stopped, 120, "rank 1 never reached step 2")
+        frozen_at = time.monotonic()
+        _, err = ranks[0].communicate(timeout=60)
+        waited = time.monotonic() - frozen_at
+        assert ranks[0].returncode != 0
+        assert waited < 3 + 15, f"rank 0 waited {waited:.0f}s for the frozen rank (timeout 3s)"
+        assert "a collective waited longer than comm.train_timeout_seconds (3s)" in err, err[-2000:]
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()
+
+
+def test_ranks_exit_when_their_launcher_dies(tmp_path):
+    child = (f"import sys, time; sys.path.insert(0, {ROOT!r}); "
+             "from titan_ulysses.distributed.watchdog import exit_with_launcher; "
+             "exit_with_launcher(poll_seconds=0.2); print('ready', flush=True); time.sleep(120)")
+    launcher = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
+                "print(p.pid, flush=True); p.wait()")
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="test")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], env=env, stdout=subprocess.PIPE, text=True)
+    worker = int(proc.stdout.readline())
+    assert proc.stdout.readline().strip() == "ready"
+    proc.kill()  # SIGKILL: the launcher cannot pass anything on
+    proc.wait()
+
+    def gone():
+        try:
+            with open(f"/proc/{worker}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+
+    _wait_for(gone, 10, "the worker outlived its launcher")
+
+
+def test_a_config_error_under_torchrun_is_printed_once():
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
+         "--optimizer.beta1", "2.0"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    assert proc.stderr.count("config error: optimizer.beta1 must lie in [0, 1), got 2.0") == 1, proc.stderr
+    assert "exitcode  : 2" in proc.stderr  # each worker exits 2 ...
+    assert proc.returncode == 1  # ... and torchrun itself exits 1, as the README says
+
+
+def test_lock_refusals_and_stale_locks_where_flock_is_missing(tmp_path, monkeypatch):
+    from titan_ulysses.checkpoint import lock as lock_module
+    from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
+
+    held = RunLock(str(tmp_path))
+    assert held.acquire() is None
+    with pytest.raises(FolderInUseError, match=rf"job.dump_folder {tmp_path} is in use by another run \(pid {os.getpid()}"):
+        RunLock(str(tmp_path)).acquire()
+    held.release()
+
+    def no_flock(fd, operation):  # e.g. NFS without lock support: the lock file's content decides
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(lock_module.fcntl, "flock", no_flock)
+    path = tmp_path / ".run.lock"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    here = socket.gethostname()
+    path.write_text(json.dumps({"host": here, "pid": dead.pid, "pid_start": "1", "since": "then"}))
+    lock = RunLock(str(tmp_path))
+    assert f"took over the stale lock of pid {dead.pid} on host {here}" in lock.acquire()
+    with pytest.raises(FolderInUseError, match=f"pid {os.getpid()} on host {here}"):
+        RunLock(str(tmp_path)).acquire()  # a live holder on this host
+    lock.release()
+    path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "pid_start": "1", "since": "then"}))
+    with pytest.raises(FolderInUseError, match="pid 1 on host elsewhere"):
+        RunLock(str(tmp_path)).acquire()  # another host, heartbeat fresh
+    old = time.time() - lock_module.STALE_AFTER_S - 10
+    os.utime(path, (old, old))
+    lock = RunLock(str(tmp_path))
+    assert "took over the stale lock of pid 1 on host elsewhere" in lock.acquire()
+    lock.release()

@@ -1,0 +1,87 @@
+"""What keeps bad state out of the checkpoint folder, and explains a save that failed.
+
+* ``nonfinite_tensors``: weights or optimizer state holding NaN/inf are never saved (a NaN
+  learning rate passes the loss and gradient checks of the step and only shows in the
+  weights after the update).
+* ``set_aside``: a damaged or incomplete ``step-N`` folder is renamed to ``step-N.bad``
+  (kept for inspection, never picked again, never in the way of a later save).
+* ``explain_save_error``: a save that failed for lack of space says where, how much was
+  needed and how much is free.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import torch
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def nonfinite_tensors(model, optimizer) -> list[str]:
+    """Names of this rank's parameter shards and optimizer-state tensors that hold NaN or inf."""
+    bad = []
+    for name, p in model.named_parameters():
+        if not torch.isfinite(_local(p.detach())).all():
+            bad.append(name)
+    names = {p: n for n, p in model.named_parameters()}
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                if not torch.isfinite(_local(value)).all():
+                    bad.append(f"optimizer {key} of {names.get(p, '?')}")
+    return bad
+
+
+def set_aside(path: str) -> str:
+    """Rename ``path`` to ``path.bad`` (``.bad-2``, ... when taken); returns the new name."""
+    target, n = f"{path}.bad", 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{path}.bad-{n}"
+    os.rename(path, target)
+    return target
+
+
+def _exceptions(exc: BaseException):
+    """``exc``, its causes, and the per-rank failures a DCP CheckpointException carries."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():  # rank -> (exception, traceback)
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+
+
+def is_out_of_space(exc: BaseException) -> bool:
+    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _exceptions(exc))
+
+
+def state_bytes(model, optimizer) -> int:
+    """Bytes of this rank's shards of the weights and optimizer state (about what it writes)."""
+    total = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    for state in optimizer.state.values():
+        total += sum(_local(v).numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def explain_save_error(exc: BaseException, path: str, needed: int, newest_good: str | None) -> OSError:
+    """An OSError saying that saving to ``path`` ran out of space, how much it needs and has."""
+    folder = os.path.dirname(path)
+    free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+    kept = f"the newest good checkpoint, {newest_good}, is kept" if newest_good else "no checkpoint was saved before"
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on device while saving {path}: a checkpoint of this run needs about "
+        f"{needed / 2**30:.2f} GiB and {free / 2**30:.2f} GiB are free on that filesystem; {kept}. "
+        f"Free space (or lower checkpoint.keep_latest_k) and rerun: the leftover {os.path.basename(path)} "
+        f"is removed at start-up",
+    )

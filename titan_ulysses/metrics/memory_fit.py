@@ -1,0 +1,84 @@
+"""Does a config fit the device? The layout and switches that make it fit (pure arithmetic).
+
+``recommend`` is what ``scripts/estimate_memory.py`` prints; the trainer calls
+``memory_warning`` at start-up so that a ``seq_len`` far beyond the device is a warning
+with that recommendation, not an allocator error minutes later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titan_ulysses.distributed.ulysses import check_heads
+from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
+
+BUDGET = 0.9  # of the device: the rest is the CUDA context, NCCL buffers, fragmentation
+
+
+SWITCH_ORDER = [  # (override, Switches change), cumulative, as in docs/guide.md section 3
+    ("--model.loss_chunk_size 8192", {"loss_chunk_size": 8192}),
+    ("--model.mlp_tile_size 8192", {"mlp_tile_size": 8192}),
+    ("--activation_checkpoint.mode selective", {"ac_mode": "selective"}),
+    ("--activation_checkpoint.mode full", {"ac_mode": "full"}),
+    ("--activation_checkpoint.mode full_offload", {"ac_mode": "full_offload"}),
+    ("--training.enable_cpu_offload true", {"cpu_offload": True}),
+]
+
+
+def from_config(config, dims):
+    from titan_ulysses.trainer import model_args  # the trainer imports this module
+
+    args = model_args(config, 0)
+    t = config.training
+    switches = Switches(
+        ac_mode=config.activation_checkpoint.mode, loss_chunk_size=args.loss_chunk_size,
+        mlp_tile_size=args.mlp_tile_size, cpu_offload=t.enable_cpu_offload,
+        act_bytes=2 if t.mixed_precision_param == "bfloat16" else 4,
+    )
+    return args, Layout(dp_shard=dims.size("dp_shard"), sp=dims.sp, tp=dims.tp), switches
+
+
+def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, budget):
+    """The first (sp, switches) that fits ``budget`` bytes: (sp, overrides, estimate) or None.
+
+    FSDP CPU offload (the last switch) moves every parameter over PCIe each step, which
+    costs far more than a larger Ulysses degree inside a node: it is tried only when no
+    degree fits without it.
+    """
+    def heads_allow(sp: int) -> bool:
+        try:
+            check_heads(args.n_heads, args.n_kv_heads, sp, layout.tp)
+            return True
+        except ValueError:
+            return False
+
+    ranks = world // layout.tp
+    degrees = [s for s in range(1, ranks + 1) if ranks % s == 0 and seq_len % s == 0 and heads_allow(s)]
+    for order in (SWITCH_ORDER[:-1], SWITCH_ORDER):
+        for sp in degrees:
+            trial = Layout(dp_shard=world // (sp * layout.tp), sp=sp, tp=layout.tp)
+            sw, overrides = switches, {}
+            for i in range(len(order) + 1):
+                if i:
+                    flag, change = order[i - 1]
+                    sw = dataclasses.replace(sw, **change)
+                    overrides[flag.split()[0]] = flag  # a later AC mode replaces an earlier one
+                est = estimate(args, trial, sw, seq_len, batch)
+                if est.total <= budget:
+                    return sp, [f"--parallelism.ulysses_degree {sp}", *overrides.values()], est
+    return None
+
+
+def memory_warning(config, dims, world_size: int, device_bytes: float) -> str | None:
+    """A warning when the estimate exceeds the device, naming what estimate_memory.py recommends."""
+    args, layout, switches = from_config(config, dims)
+    t = config.training
+    est = estimate(args, layout, switches, t.seq_len, t.local_batch_size)
+    if est.total <= device_bytes:
+        return None
+    rec = recommend(args, layout, switches, t.seq_len, t.local_batch_size, world_size, BUDGET * device_bytes)
+    advice = ("no ulysses_degree within the job and no memory switch makes it fit: shorten training.seq_len"
+              if rec is None else f"scripts/estimate_memory.py recommends {' '.join(rec[1])} ({rec[2].total / GIB:.1f} GiB)")
+    return (f"the memory estimate of this config is {est.total / GIB:.1f} GiB per device, more than the device's "
+            f"{device_bytes / GIB:.1f} GiB (seq_len {t.seq_len}, layout {dims.degrees}); {advice}; "
+            f"details: python scripts/estimate_memory.py --config <this config> --world-size {world_size}")
