@@ -7,6 +7,7 @@ import warnings
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.data.sources import DataError
 
 
 def main(argv: list[str]) -> int:
@@ -17,6 +18,9 @@ def main(argv: list[str]) -> int:
         trainer = Trainer(config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:  # bad rows, empty files, other data than the checkpoint's
+        print(f"data error: {e}", file=sys.stderr)
         return 2
     trainer.train()
     return 0
