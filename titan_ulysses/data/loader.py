@@ -57,6 +57,16 @@ class GlobalOrderShard(IterableDataset):
         self._yielded = 0
 
 
+class DataLoader(StatefulDataLoader):
+    """StatefulDataLoader that checks the data settings when a state is loaded, not at the next iter()."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        shard, saved = self.dataset, (state_dict.get("dataset_state") or {}).get("data_settings")
+        if saved is not None and shard.settings is not None:
+            check_settings(json.loads(saved), shard.settings, shard.allow_change)
+        super().load_state_dict(state_dict)
+
+
 def check_settings(saved: dict, current: dict, allow_change: bool) -> None:
     """Refuse to resume on other data than the checkpoint's, naming every setting that changed."""
     changed = [f"{k} {saved.get(k)!r} -> {current.get(k)!r}" for k in sorted(set(saved) | set(current))
@@ -79,4 +89,4 @@ def build_dataloader(dataset, *, global_batch_size: int, local_batch_size: int, 
             f"training.local_batch_size x dp = {local_batch_size} x {dp_size}"
         )
     shard = GlobalOrderShard(dataset, global_batch_size, dp_rank, dp_size, settings, allow_change)
-    return StatefulDataLoader(shard, batch_size=local_batch_size, num_workers=0)
+    return DataLoader(shard, batch_size=local_batch_size, num_workers=0)

@@ -15,7 +15,7 @@ Layout of ``{cache_dir}/{key}/``::
     meta.json     written last; a folder without it is never used
 
 Building: the corpus is cut into ordered work items (``sources.py``); worker ``w`` of
-``n`` tokenizes items ``w, w+n, ...`` into ``{key}.parts-{host}/part-XXXXXX.npz`` (each
+``n`` tokenizes items ``w, w+n, ...`` into ``{key}.parts-{host}-{cut}/part-XXXXXX.npz`` (each
 written under a temporary name and renamed, so a killed build leaves only whole parts,
 which the next build reuses). Worker 0 then concatenates the parts in item order into
 ``{key}.tmp-{host}-{pid}/`` and renames that folder to ``{key}``: the store appears whole
@@ -209,7 +209,9 @@ def build_or_open(items: list[WorkItem], encode, cache_dir: str, key: str, vocab
         ready = flag[0]
     if not ready:
         dtype = token_dtype(vocab_size)
-        parts_dir = f"{final}.parts-{socket.gethostname()}"
+        # parts are only reusable for the same cut of the corpus into items
+        cut = hashlib.sha256(repr([tuple(vars(i).values()) for i in items]).encode()).hexdigest()[:8]
+        parts_dir = f"{final}.parts-{socket.gethostname()}-{cut}"
         os.makedirs(cache_dir, exist_ok=True)
         progress = Progress(len(items), world, rank == 0)
         error = None
