@@ -5,7 +5,8 @@ Where the template comes from, first match wins:
 1. ``training.chat_template``: a ``.jinja`` file, or a ``tokenizer_config.json`` holding one;
 2. the tokenizer's own ``chat_template`` attribute (a tokenizer that loads Hugging Face
    files can set it; this is the only hook this module asks of a tokenizer);
-3. ``tokenizer_config.json`` beside ``model.tokenizer_path`` (or inside it, for a folder);
+3. beside ``model.tokenizer_path`` (or inside it, for a folder): ``chat_template.jinja``
+   (where transformers >= 4.50 saves it), else ``tokenizer_config.json``'s ``chat_template``;
 4. otherwise ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``), what TRL's
    ``setup_chat_format`` installs on models that have no template. With the byte tokenizer
    its markers are plain bytes.
@@ -94,16 +95,22 @@ class ChatTemplate:
         return self._compiled
 
 
-def _from_tokenizer_config(path: str) -> ChatTemplate | None:
+def _special_tokens(path: str) -> dict[str, str]:
+    """bos_token, eos_token, ... of a tokenizer_config.json: the variables templates use."""
     with open(path) as f:
         cfg = json.load(f)
-    template = cfg.get("chat_template")
+    special = {k: _token_string(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    return {k: v for k, v in special.items() if v is not None}
+
+
+def _from_tokenizer_config(path: str) -> ChatTemplate | None:
+    with open(path) as f:
+        template = json.load(f).get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if not template:
         return None
-    special = {k: _token_string(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    return ChatTemplate(template, {k: v for k, v in special.items() if v is not None}, origin=path)
+    return ChatTemplate(template, _special_tokens(path), origin=path)
 
 
 def load_chat_template(setting: str, tokenizer, tokenizer_path: str) -> ChatTemplate:
@@ -124,10 +131,14 @@ def load_chat_template(setting: str, tokenizer, tokenizer_path: str) -> ChatTemp
     if tokenizer_path:
         folder = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(os.path.abspath(tokenizer_path))
         cfg = os.path.join(folder, "tokenizer_config.json")
-        if os.path.isfile(cfg):
-            found = _from_tokenizer_config(cfg)
-            if found is not None:
-                return found
+        found = _from_tokenizer_config(cfg) if os.path.isfile(cfg) else None
+        jinja = os.path.join(folder, "chat_template.jinja")  # where transformers >= 4.50 saves it
+        if os.path.isfile(jinja):
+            with open(jinja) as f:
+                specials = found.special_tokens if found else _special_tokens(cfg) if os.path.isfile(cfg) else {}
+                return ChatTemplate(f.read(), specials, origin=jinja)
+        if found is not None:
+            return found
     return ChatTemplate(CHATML_TEMPLATE, origin="ChatML fallback")
 
 
