@@ -20,7 +20,13 @@ from titan_ulysses.data.datasets import PasskeyDataset
 from titan_ulysses.data.encode import SFTEncoder, TextEncoder
 from titan_ulysses.data.loader import build_dataloader
 from titan_ulysses.data.sources import DataError, list_files, work_items
-from titan_ulysses.data.token_store import build_or_open, cache_key, default_cache_dir, tokenizer_identity
+from titan_ulysses.data.token_store import (
+    build_or_open,
+    build_with_processes,
+    cache_key,
+    default_cache_dir,
+    tokenizer_identity,
+)
 from titan_ulysses.data.windows import DocumentWindows, PackedSamples, StreamWindows
 
 VALIDATION_SEED_OFFSET = 1_000_003  # passkey validation draws other keys than training
@@ -48,8 +54,10 @@ def node_group():
     return mine
 
 
-def open_store(kind: str, path: str, tokenizer, config: JobConfig, group=None, rank: int = 0, world: int = 1):
-    """Tokenize ``path`` once (in parallel over the ranks of ``group``) and map the result."""
+def open_store(kind: str, path: str, tokenizer, config: JobConfig, group=None, rank: int = 0, world: int = 1,
+               processes: int = 0):
+    """Tokenize ``path`` once (in parallel over the ranks of ``group``, or over ``processes``
+    forked workers when there is no group) and map the result."""
     t = config.training
     key_name = "validation.dataset_path" if path != t.dataset_path else "training.dataset_path"
     files = list_files(path, key_name)
@@ -64,7 +72,10 @@ def open_store(kind: str, path: str, tokenizer, config: JobConfig, group=None, r
     key = cache_key(files, ident, options)
     cache_dir = t.dataset_cache_dir or default_cache_dir(path)
     meta = {"files": files, "tokenizer": ident, "kind": kind}
-    store = build_or_open(work_items(files), encode, cache_dir, key, tokenizer.vocab_size, meta, rank, world, group)
+    if processes > 1 and world == 1:
+        store = build_with_processes(work_items(files), encode, cache_dir, key, tokenizer.vocab_size, meta, processes)
+    else:
+        store = build_or_open(work_items(files), encode, cache_dir, key, tokenizer.vocab_size, meta, rank, world, group)
     if store.n_docs == 0:
         raise DataError(f"{key_name} {path!r} holds no documents (empty file?)")
     return store

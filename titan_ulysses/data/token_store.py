@@ -95,6 +95,12 @@ class TokenStore:
         return np.diff(self.offsets)
 
 
+def _parts_dir(final: str, items: list[WorkItem]) -> str:
+    """Per host, and per cut of the corpus into items: parts are reusable only for the same cut."""
+    cut = hashlib.sha256(repr([tuple(vars(i).values()) for i in items]).encode()).hexdigest()[:8]
+    return f"{final}.parts-{socket.gethostname()}-{cut}"
+
+
 def _part_path(parts_dir: str, index: int) -> str:
     return os.path.join(parts_dir, f"part-{index:06d}.npz")
 
@@ -192,6 +198,40 @@ class Progress:
                   f"{mb * self.workers / (now - self.start):.1f} MB/s over {self.workers} worker(s)", flush=True)
 
 
+_FORKED: tuple = ()  # (items, encode, parts_dir, dtype) inherited by forked workers
+
+
+def _forked_worker(args) -> str | None:
+    worker, workers = args
+    items, encode, parts_dir, dtype = _FORKED
+    try:
+        progress = Progress(len(items), workers, worker == 0)
+        tokenize_items(items, range(worker, len(items), workers), encode, parts_dir, dtype, progress)
+    except DataError as e:
+        return str(e)
+    return None
+
+
+def build_with_processes(items: list[WorkItem], encode, cache_dir: str, key: str, vocab_size: int, meta: dict,
+                         workers: int) -> TokenStore:
+    """The store for ``key``, built if absent by ``workers`` forked processes (one machine, no process group)."""
+    import multiprocessing as mp
+
+    global _FORKED
+    final = os.path.join(cache_dir, key)
+    if not os.path.isfile(os.path.join(final, "meta.json")):
+        dtype = token_dtype(vocab_size)
+        parts_dir = _parts_dir(final, items)
+        os.makedirs(cache_dir, exist_ok=True)
+        _FORKED = (items, encode, parts_dir, dtype)
+        with mp.get_context("fork").Pool(workers) as pool:
+            errors = pool.map(_forked_worker, [(w, workers) for w in range(workers)])
+        _FORKED = ()
+        _raise_first(errors)
+        merge_parts(len(items), parts_dir, final, dtype, meta)
+    return TokenStore(final)
+
+
 def build_or_open(items: list[WorkItem], encode, cache_dir: str, key: str, vocab_size: int, meta: dict,
                   rank: int = 0, world: int = 1, group=None) -> TokenStore:
     """The store for ``key``, built if absent by the ``world`` ranks of ``group`` together.
@@ -209,9 +249,7 @@ def build_or_open(items: list[WorkItem], encode, cache_dir: str, key: str, vocab
         ready = flag[0]
     if not ready:
         dtype = token_dtype(vocab_size)
-        # parts are only reusable for the same cut of the corpus into items
-        cut = hashlib.sha256(repr([tuple(vars(i).values()) for i in items]).encode()).hexdigest()[:8]
-        parts_dir = f"{final}.parts-{socket.gethostname()}-{cut}"
+        parts_dir = _parts_dir(final, items)
         os.makedirs(cache_dir, exist_ok=True)
         progress = Progress(len(items), world, rank == 0)
         error = None
