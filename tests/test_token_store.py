@@ -211,11 +211,11 @@ def test_data_settings_changed_on_resume_are_named(tmp_path):
 
 # -- bad input: one clear line ----------------------------------------------------------------
 
-def test_missing_dataset_path_is_a_config_error(tmp_path):
-    for argv, message in (([], "training.dataset 'text' needs training.dataset_path"),
-                          (["--training.dataset_path", str(tmp_path / "nope.jsonl")], "does not exist")):
-        with pytest.raises(ConfigError, match=message):
-            validate(load_config(["--training.dataset", "text", *argv]), 1)
+def test_missing_dataset_path_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="training.dataset 'text' needs training.dataset_path"):
+        validate(load_config(["--training.dataset", "text"]), 1)
+    with pytest.raises(DataError, match=r"training.dataset_path '.*nope.jsonl' does not exist"):
+        build_dataset("text", str(tmp_path / "nope.jsonl"), ByteTokenizer(), config_for(tmp_path / "nope.jsonl"), 0)
 
 
 @pytest.mark.parametrize("content, dataset, message", [

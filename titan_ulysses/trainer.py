@@ -220,7 +220,8 @@ class Trainer:
         # every sp rank of a dp group loaded the same rows: count them over dp only
         pad, total_tokens, truncated = dist_sum(stats.to(self.device), pd.get_mesh("dp")).tolist()
         return {"loss": global_loss, "grad_norm": grad_norm.item(), "loss_tokens": int(n_tokens.item()),
-                "padding": pad / max(total_tokens, 1.0), "truncated": int(truncated)}
+                "padding": pad / max(total_tokens, 1.0), "truncated": int(truncated),
+                "dropped": self.data.stats.get("dropped", 0)}  # samples left out of the dataset (run total)
 
     def train(self) -> None:
         t = self.config.training

@@ -41,7 +41,8 @@ class MetricsLogger:
             + f"mem {metrics['max_memory_gib']:.2f} GiB"
             + (f"  loss_tokens {metrics['loss_tokens']:,}  pad {100 * metrics['padding']:.1f}%"
                if "loss_tokens" in metrics else "")
-            + (f"  truncated {metrics['truncated']}" if metrics.get("truncated") else ""),
+            + (f"  truncated {metrics['truncated']}" if metrics.get("truncated") else "")
+            + (f"  dropped {metrics['dropped']}" if metrics.get("dropped") else ""),
             flush=True,
         )
         self._write(metrics)
