@@ -189,3 +189,15 @@ def test_completion_only_loss_learns_the_fixed_completion_and_prompt_loss_cannot
     with_prompts = _train(sft_dataset(tmp_path / "d.jsonl", "--training.include_prompt_loss", "true"))
     assert completion_only < 0.1, completion_only
     assert with_prompts > 1.0, with_prompts  # random prompt letters: about log(16) nats each
+
+
+def test_parquet_rows_of_messages_and_prompt_completion(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"messages": [CONVERSATION[:2], CONVERSATION]}), tmp_path / "chat.parquet")
+    ds = sft_dataset(tmp_path / "chat.parquet", seq_len=512)
+    assert ds.stats["samples"] == 2 and int(ds.store.mask.sum()) == 2 * len("Paris, of course.<|im_end|>\n") + len("Rome.<|im_end|>\n")
+    pq.write_table(pa.table({"prompt": ["Q?"], "answer": ["A"]}), tmp_path / "bad.parquet")
+    with pytest.raises(Exception, match=r"bad.parquet row 1: field 'completion' is missing"):
+        sft_dataset(tmp_path / "bad.parquet")

@@ -241,3 +241,9 @@ def test_train_py_exits_2_with_one_line_on_bad_data(tmp_path):
     assert errors == [f"data error: {tmp_path / 'bad.jsonl'} line 1: field 'text' is missing; every row needs "
                       f"a string 'text' (fields found: ['txt'])"], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_non_utf8_text_file_is_named(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.txt: not UTF-8 text \(byte 3\)"):
+        build_dataset("text", str(tmp_path), ByteTokenizer(), config_for(tmp_path), 0)
