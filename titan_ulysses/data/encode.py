@@ -65,7 +65,7 @@ class SFTEncoder:
                 raise DataError(f"{where}: field {field!r} is a {type(value).__name__}; "
                                 f"a string (or, for both fields, a list of messages) is expected")
         tok = self.tokenizer
-        p = [tok.bos_id] + self._encode(prompt)
+        p = ([tok.bos_id] if tok.bos_id is not None else []) + self._encode(prompt)  # Qwen has no BOS
         c = self._encode(completion) + [tok.eos_id]
         return p + c, [0] * len(p) + [1] * len(c)
 

@@ -46,7 +46,7 @@ def _stat(path: str) -> list:
 def tokenizer_identity(tokenizer, path: str = "") -> dict:
     """What makes two tokenizers produce the same ids: class, vocabulary, specials, file(s)."""
     ident = {"class": type(tokenizer).__name__, "vocab_size": int(tokenizer.vocab_size),
-             "bos": int(tokenizer.bos_id), "eos": int(tokenizer.eos_id)}
+             "bos": getattr(tokenizer, "bos_id", None), "eos": getattr(tokenizer, "eos_id", None)}
     if path and os.path.isdir(path):
         ident["files"] = [_stat(os.path.join(path, f)) for f in sorted(os.listdir(path))
                           if os.path.isfile(os.path.join(path, f))]
