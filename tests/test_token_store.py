@@ -247,3 +247,39 @@ def test_non_utf8_text_file_is_named(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     with pytest.raises(DataError, match=r"latin1.txt: not UTF-8 text \(byte 3\)"):
         build_dataset("text", str(tmp_path), ByteTokenizer(), config_for(tmp_path), 0)
+
+
+def _old_checkpoint_loads(folder, corpus):
+    from model_harness import build_pair, small_args
+    from titan_ulysses.checkpoint.manager import CheckpointManager
+    from titan_ulysses.distributed.parallel_dims import ParallelDims
+    from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+
+    pd = ParallelDims(world_size=1)
+    pd.build_mesh("cpu")
+    _, model = build_pair(small_args(), pd, ParallelizeOptions(param_dtype=torch.float32))
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    config = config_for(corpus)
+    ds = build_dataset("text", corpus, ByteTokenizer(), config, 0)
+
+    def manager(settings):
+        loader = build_dataloader(ds, global_batch_size=2, local_batch_size=2, dp_rank=0, dp_size=1, settings=settings)
+        return loader, CheckpointManager(folder=folder, model=model, optimizer=opt, lr_scheduler=sched,
+                                         dataloader=loader, enable=True, interval=1)
+
+    old_loader, old = manager(None)  # as written before the data settings were recorded
+    next(iter(old_loader))
+    old.save(1)
+    new_loader, new = manager(data_settings(config))
+    assert new.load() == 1 and new_loader.state_dict()["dataset_state"]["samples_consumed"] == 2
+    new.save(2, force=True)
+    other_loader, other = manager(data_settings(config_for(corpus, seq_len=64)))
+    with pytest.raises(DataError, match="seq_len 32 -> 64"):
+        other.load()
+
+
+def test_a_checkpoint_without_data_settings_still_loads_and_a_new_one_is_checked(tmp_path):
+    write_corpus(str(tmp_path))
+    build_dataset("text", str(tmp_path), ByteTokenizer(), config_for(tmp_path), 0)  # store built once
+    run_distributed(_old_checkpoint_loads, 1, str(tmp_path / "ckpt"), str(tmp_path))

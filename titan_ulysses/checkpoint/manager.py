@@ -237,11 +237,13 @@ class CheckpointManager:
     def load_from(self, path: str) -> int:
         """Load the full training state from a ``step-N`` folder (any layout); returns its step."""
         _check(path)
-        keys = {
-            key.split(".", 1)[1] for key in FileSystemReader(path).read_metadata().state_dict_metadata
-            if key.startswith("train_state.")
-        }
+        saved = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+        keys = {key.split(".", 1)[1] for key in saved if key.startswith("train_state.")}
         state = self._state(train_keys=keys)
+        if "dataloader.dataset_state.data_settings" not in saved and hasattr(self.dataloader, "dataset"):
+            from titan_ulysses.data.loader import WithoutSettings  # a checkpoint older than the settings record
+
+            state["dataloader"] = WithoutSettings(self.dataloader)
         dcp.load(state, checkpoint_id=path)
         step = state["train_state"].step
         self._last_saved = step

@@ -67,6 +67,21 @@ class DataLoader(StatefulDataLoader):
         super().load_state_dict(state_dict)
 
 
+class WithoutSettings:
+    """Loads a checkpoint written before the data settings were recorded: nothing to check."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def state_dict(self) -> dict:
+        state = self.loader.state_dict()
+        state["dataset_state"] = {k: v for k, v in state["dataset_state"].items() if k != "data_settings"}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+
 def check_settings(saved: dict, current: dict, allow_change: bool) -> None:
     """Refuse to resume on other data than the checkpoint's, naming every setting that changed."""
     changed = [f"{k} {saved.get(k)!r} -> {current.get(k)!r}" for k in sorted(set(saved) | set(current))
