@@ -14,7 +14,6 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist_utils import run_distributed
 from test_trainer import run
