@@ -18,6 +18,7 @@ import warnings
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.data.sources import DataError
 
 EXIT_REFUSED = 2
 RANK0_FIRST_S = 3.0
@@ -37,9 +38,10 @@ def main(argv: list[str]) -> int:
         from titan_ulysses.trainer import Trainer
 
         trainer = Trainer(config)
-    except (ConfigError, FolderInUseError) as e:
+    except (ConfigError, DataError, FolderInUseError) as e:
         if os.environ.get("RANK", "0") == "0":
-            print(f"{'config error' if isinstance(e, ConfigError) else 'refused'}: {e}", file=sys.stderr, flush=True)
+            kind = "config error" if isinstance(e, ConfigError) else "data error" if isinstance(e, DataError) else "refused"
+            print(f"{kind}: {e}", file=sys.stderr, flush=True)
         else:
             # Let rank 0 print and exit first: torchrun stops every worker at the first failure
             # it sees, and would otherwise often stop rank 0 before it says why.

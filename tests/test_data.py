@@ -6,7 +6,10 @@ import json
 import pytest
 import torch
 
-from titan_ulysses.data.datasets import PackedTextDataset, PasskeyDataset, make_passkey_tokens
+from titan_ulysses.config.manager import load_config
+from titan_ulysses.data.build import build_dataset
+from titan_ulysses.data.datasets import PasskeyDataset, make_passkey_tokens
+from titan_ulysses.data.sources import DataError
 from titan_ulysses.data.loader import build_dataloader
 from titan_ulysses.data.tokenizer import ByteTokenizer, TiktokenTokenizer, build_tokenizer
 from titan_ulysses.ops.loss import IGNORE_INDEX
@@ -63,33 +66,41 @@ def test_passkey_digits_sets_the_key_length(digits):
     assert text.endswith(f"The pass key is {keys[5]}") and a["input"].shape == (200,)
 
 
+def text_dataset(path, seq_len, *args):
+    config = load_config(["--training.dataset", "text", "--training.dataset_path", str(path),
+                          "--training.seq_len", str(seq_len), "--training.shuffle", "false", *args])
+    return build_dataset("text", str(path), ByteTokenizer(), config, config.training.seed)
+
+
 def test_packing_keeps_document_boundaries(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "abc"}) + "\n" + json.dumps({"text": "defgh"}) + "\n")
     (tmp_path / "b.txt").write_text("xy")
-    ds = PackedTextDataset(str(tmp_path), ByteTokenizer(), seq_len=8)
-    # stream: [B a b c E][B d e f g h E][B x y E] = 5 + 7 + 4 = 16 tokens -> (16-1)//8 = 1 window
+    ds = text_dataset(tmp_path, 8)
+    # stream: [B a b c E][B d e f g h E][B x y E] = 5 + 7 + 4 = 16 tokens -> 2 windows
     item = ds[0]
     assert item["document_ids"].tolist() == [0] * 5 + [1] * 3
     assert item["positions"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
     assert item["labels"][4].item() == IGNORE_INDEX  # EOS of doc 0 does not predict doc 1's BOS
     assert item["labels"][:4].tolist() == item["input"][1:5].tolist()
-    assert torch.equal(ds[1]["input"], ds[0]["input"])  # wraps around
+    assert item["labels"][7].item() == ord("f")  # the next window's first token, same document
+    assert ds[1]["positions"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]  # positions restart in every window
+    assert torch.equal(ds[2]["input"], ds[0]["input"])  # wraps around
 
 
 def test_parquet_documents(tmp_path):
     pa = pytest.importorskip("pyarrow")  # a dev dependency: installed in CI
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"text": ["abc", "defgh", "xy"]}), tmp_path / "d.parquet")
-    item = PackedTextDataset(str(tmp_path), ByteTokenizer(), seq_len=8)[0]
+    pq.write_table(pa.table({"text": ["abc", "defgh", "xy"]}), tmp_path / "d.parquet", row_group_size=2)
+    item = text_dataset(tmp_path, 8)[0]
     assert item["document_ids"].tolist() == [0] * 5 + [1] * 3
     assert ByteTokenizer().decode(item["input"].tolist()) == "abcde"  # [B a b c E][B d e
 
 
 def test_packing_too_little_text(tmp_path):
     (tmp_path / "a.txt").write_text("hi")
-    with pytest.raises(ValueError, match="fewer than training.seq_len"):
-        PackedTextDataset(str(tmp_path / "a.txt"), ByteTokenizer(), seq_len=64)
+    with pytest.raises(DataError, match="fewer than one window of training.seq_len = 64"):
+        text_dataset(tmp_path / "a.txt", 64)
 
 
 def _steps(dp, local, steps, global_batch=8, state=None):

@@ -32,7 +32,8 @@ def test_every_guide_command_runs(tmp_path):
     # what the guide says the commands leave behind
     for path in ("guide/checkpoint/step-30/.metadata", "guide_1k/checkpoint/step-10/.metadata",
                  "guide_needle.json", "guide_needle.png", "guide_hf/config.json", "guide_hf/model.safetensors",
-                 "guide_from_hf/metrics.jsonl"):
+                 "guide_from_hf/metrics.jsonl",
+                 "guide_sft/checkpoint/step-20/.metadata"):
         assert (tmp_path / path).exists(), path
 
 
@@ -43,6 +44,9 @@ TROUBLES = [  # (arguments, world size); each error's text must be quoted in the
     (["--config", "train_configs/debug_model.toml"], 1),
     (["--config", "train_configs/debug_model.toml", "--training.seq_lenn", "1024"], 2),
     (["--config", "train_configs/debug_model.toml", "--optimizer.lr", "nan"], 2),
+    (["--config", "train_configs/debug_model.toml", "--training.dataset", "text"], 2),
+    (["--config", "train_configs/debug_model.toml", "--training.dataset", "sft", "--training.dataset_path",
+      "docs/examples/sft_train.jsonl", "--training.seq_len", "65536"], 2),
 ]
 
 

@@ -25,9 +25,8 @@ from titan_ulysses.config.manager import (
     resolved_global_batch_size,
     validate,
 )
-from titan_ulysses.data.datasets import build_dataset
-from titan_ulysses.data.loader import build_dataloader
-from titan_ulysses.data.sharding import shard_batch
+from titan_ulysses.data.build import build_data
+from titan_ulysses.data.sharding import shard_loader_batch
 from titan_ulysses.data.tokenizer import build_tokenizer
 from titan_ulysses.distributed.float8 import precompute_float8_scales
 from titan_ulysses.distributed.parallel_dims import ParallelDims
@@ -42,11 +41,9 @@ from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
 from titan_ulysses.ops.attention import build_attention_mask
 from titan_ulysses.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
+from titan_ulysses.validate import Validator
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-# Backends that honour document ids; with sdpa, packed documents attend causally across
-# boundaries (a dense per-document mask would cost S^2 memory at long lengths).
-DOC_MASK_BACKENDS = ("flex", "flash_attn")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -170,11 +167,9 @@ class Trainer:
         self.global_batch_size = resolved_global_batch_size(config, pd.size("dp"))
         self.accumulation_steps = self.global_batch_size // (t.local_batch_size * pd.size("dp"))
         self.tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path or config.model.hf_assets_path)
-        dataset = build_dataset(t.dataset, t.dataset_path, self.tokenizer, t.seq_len, t.seed, t.passkey_digits)
-        self.dataloader = build_dataloader(
-            dataset, global_batch_size=self.global_batch_size, local_batch_size=t.local_batch_size,
-            dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(),
-        )
+        self.data = build_data(config, self.tokenizer, dp_mesh.get_local_rank(), dp_mesh.size(),
+                               self.global_batch_size, fake=self.fake)
+        self.dataloader = self.data.dataloader
 
         self.args = model_args(config, self.tokenizer.vocab_size)
         with torch.device("meta"):
@@ -230,7 +225,12 @@ class Trainer:
         self.metrics = MetricsLogger(config.job.dump_folder, self.rank, config.metrics.enable_tensorboard)
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
         self.peak_flops = peak_flops(self.device)
-        self.use_doc_mask = config.model.attn_backend in DOC_MASK_BACKENDS
+        # packed rows hold several documents: every backend masks per document (sdpa densely)
+        self.use_doc_mask = self.data.packed
+        self.validator = None
+        if config.validation.enable:
+            self.validator = Validator(self.data, self.model, pd, self.device, self.args.attn_backend,
+                                       self.tokenizer.pad_id, self.accumulation_steps, config.validation.steps)
         self.a2a_bytes = ulysses_bytes_per_step(
             self.args, t.seq_len, self.global_batch_size // pd.size("dp"), pd.sp, pd.tp,
             torch.finfo(options.param_dtype).bits // 8, options.ac_mode in ("full", "full_offload"),
@@ -271,24 +271,21 @@ class Trainer:
     def _on_preempt(self, signum, frame) -> None:
         self._preempted = True
 
-    def _microbatches(self, data_iter):
+    def _microbatches(self, data_iter, stats: torch.Tensor):
+        """This rank's microbatches of one step; ``stats`` += [padding tokens, tokens, truncated samples]."""
         sp_mesh = self.parallel_dims.get_mesh("sp")
         for _ in range(self.accumulation_steps):
             batch = next(data_iter)
-            docs = batch["document_ids"] if self.use_doc_mask else None
-            positions = batch["positions"] if self.use_doc_mask else None
-            yield shard_batch(
-                batch["input"].to(self.device), batch["labels"].to(self.device),
-                sp_mesh.get_local_rank(), sp_mesh.size(),
-                positions=None if positions is None else positions.to(self.device),
-                document_ids=None if docs is None else docs.to(self.device),
-                pad_token=self.tokenizer.pad_id,
-            )
+            stats += torch.tensor([float((batch["document_ids"] == -1).sum()), float(batch["input"].numel()),
+                                   float(batch["truncated"].sum()) if "truncated" in batch else 0.0])
+            yield shard_loader_batch(batch, sp_mesh.get_local_rank(), sp_mesh.size(), self.device,
+                                     self.use_doc_mask, self.tokenizer.pad_id)
 
     def train_step(self, data_iter) -> dict:
         pd = self.parallel_dims
         loss_mesh = pd.get_mesh("loss")
-        microbatches = list(self._microbatches(data_iter))
+        stats = torch.zeros(3, dtype=torch.float64)
+        microbatches = list(self._microbatches(data_iter, stats))
         n_tokens = global_token_count([mb.labels for mb in microbatches], loss_mesh).to(self.device, torch.float32)
         total = torch.zeros((), device=self.device)
         for mb in microbatches:
@@ -310,7 +307,11 @@ class Trainer:
         precompute_float8_scales(self.model, self.float8)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": global_loss, "grad_norm": grad_norm}
+        # every sp rank of a dp group loaded the same rows: count them over dp only
+        pad, total_tokens, truncated = dist_sum(stats.to(self.device), pd.get_mesh("dp")).tolist()
+        return {"loss": global_loss, "grad_norm": grad_norm, "loss_tokens": int(n_tokens.item()),
+                "padding": pad / max(total_tokens, 1.0), "truncated": int(truncated),
+                "dropped": self.data.stats.get("dropped", 0)}  # samples left out of the dataset (run total)
 
     def _nonfinite_step(self, global_loss: float, grad_norm: float, lr: float) -> None:
         """Skip this step's update (``training.skip_nonfinite_steps`` in a row at most) or stop."""
@@ -368,6 +369,10 @@ class Trainer:
                         "a2a_model_sec": self.a2a_bytes / (self.config.comm.link_bandwidth_gbps * 1e9),
                     })
                     timer, steps_timed = time.perf_counter(), 0
+                if self.validator is not None and (self.step % self.config.validation.freq == 0 or self.step == t.steps):
+                    started = time.perf_counter()
+                    self.metrics.log_validation(self.step, self.validator.run())
+                    timer += time.perf_counter() - started  # evaluation time is not training throughput
                 preempted = self._preempted_anywhere()
                 self.checkpointer.save(self.step, force=preempted or self.step == t.steps)
                 if preempted:

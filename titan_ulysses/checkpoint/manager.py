@@ -432,11 +432,13 @@ class CheckpointManager:
         return self._load_full(path)
 
     def _load_full(self, path: str) -> int:
-        keys = {
-            key.split(".", 1)[1] for key in FileSystemReader(path).read_metadata().state_dict_metadata
-            if key.startswith("train_state.")
-        }
+        saved = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+        keys = {key.split(".", 1)[1] for key in saved if key.startswith("train_state.")}
         state = self._state(train_keys=keys)
+        if "dataloader.dataset_state.data_settings" not in saved and hasattr(self.dataloader, "dataset"):
+            from titan_ulysses.data.loader import WithoutSettings  # a checkpoint older than the settings record
+
+            state["dataloader"] = WithoutSettings(self.dataloader)
         dcp.load(state, checkpoint_id=path, process_group=self._pg)
         self.loaded_settings = state["train_state"].settings
         step = state["train_state"].step

@@ -57,9 +57,26 @@ class Parallelism:
 @dataclass
 class Training:
     dataset: str = "passkey"
-    """"passkey" (synthetic long-context retrieval) or "text" (local .txt/.jsonl/.parquet)."""
+    """"passkey" (synthetic long-context retrieval), "text" (pretraining on local .txt/.jsonl/.parquet)
+    or "sft" (supervised fine-tuning on .jsonl/.parquet rows of prompt/completion or messages)."""
     dataset_path: str = ""
-    """File or directory of the "text" dataset."""
+    """File or folder of the "text" or "sft" dataset."""
+    dataset_cache_dir: str = ""
+    """Where the tokenized corpus is cached; "" = a .titan_cache folder beside (or inside) dataset_path."""
+    packing: bool = True
+    """Pack documents (text) or samples (sft) into seq_len windows with document masking; false: one
+    document or sample per window, truncated or padded."""
+    shuffle: bool = True
+    """Read windows in a seeded random order (the same at every layout; reshuffled every epoch)."""
+    min_document_tokens: int = 0
+    """Skip documents shorter than this many tokens (long-context selection); 0 keeps all."""
+    overlong_samples: str = "error"
+    """SFT samples longer than seq_len: "error" (stop, naming how many), "truncate" or "drop"."""
+    include_prompt_loss: bool = False
+    """SFT: the loss covers prompt (user/system) tokens too, not only completion/assistant tokens."""
+    chat_template: str = ""
+    """SFT messages: a .jinja file or a tokenizer_config.json with the chat template; "" = the
+    tokenizer's, else tokenizer_config.json beside model.tokenizer_path, else ChatML."""
     passkey_digits: int = 5
     """Digits of the "passkey" dataset's key (1 to 9). Copying a multi-digit key needs induction
     heads, which a small model forms only after far more tokens than a CPU run sees; one digit is
@@ -162,6 +179,9 @@ class Checkpoint:
     initial_load_in_hf: bool = False
     """Start the run from the safetensors weights of model.hf_assets_path (model only; the run's
     own checkpoints still win when it resumes). Each rank reads only the slices of its shards."""
+    allow_data_change: bool = False
+    """Resume even though the data settings (dataset, path, tokenizer, seq_len, seed, ...) differ
+    from the checkpoint's; the run continues at the same global sample index of the new data."""
 
 
 @dataclass
@@ -170,6 +190,20 @@ class Metrics:
     """Log every this many steps (and the first and last)."""
     enable_tensorboard: bool = False
     """Also write tensorboard events under dump_folder/tb."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Compute the loss on held-out data every freq steps, at the training layout."""
+    dataset: str = ""
+    """"passkey", "text" or "sft"; "" = training.dataset."""
+    dataset_path: str = ""
+    """File or folder of the held-out "text" / "sft" data (passkey: other seeds, no path)."""
+    freq: int = 100
+    """Validate every this many steps (and at the last step)."""
+    steps: int = 10
+    """Global batches per validation (always the same ones)."""
 
 
 @dataclass
@@ -203,6 +237,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
 
 
@@ -211,7 +246,9 @@ CHOICES = {
     "model.name": ("llama3",),
     "model.attn_backend": ("sdpa", "flex", "flash_attn"),
     "model.tokenizer": ("byte", "tiktoken", "hf"),
-    "training.dataset": ("passkey", "text"),
+    "training.dataset": ("passkey", "text", "sft"),
+    "training.overlong_samples": ("error", "truncate", "drop"),
+    "validation.dataset": ("", "passkey", "text", "sft"),
     "training.mixed_precision_param": ("bfloat16", "float32"),
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "optimizer.name": ("AdamW",),

@@ -170,6 +170,7 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
             f"training.global_batch_size {gbs} must be a positive multiple of training.local_batch_size x dp = "
             f"{t.local_batch_size} x {dp} = {t.local_batch_size * dp}"
         )
+    _validate_data(config, dims)
     if config.model.tokenizer == "tiktoken" and not config.model.tokenizer_path:
         raise ConfigError("model.tokenizer 'tiktoken' needs model.tokenizer_path (a Llama-3 tokenizer.model file)")
     m, c = config.model, config.checkpoint
@@ -231,6 +232,39 @@ def check_files(config: JobConfig) -> None:
             check_dcp_model_shapes(c.initial_load_path, args)
         except (OSError, ValueError) as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}") from e
+
+
+# sdpa masks packed documents with a dense [B, 1, S, S] boolean mask; above this many
+# elements (1 GiB, with about twice that in temporaries) it is refused in favour of flex.
+SDPA_DENSE_MASK_MAX_ELEMENTS = 2**30
+
+
+def _check_path(key: str, path: str, kind: str) -> None:
+    if kind == "passkey":
+        return
+    if not path:  # a path that does not exist is the data builder's one-line DataError
+        raise ConfigError(f"{key.rsplit('.', 1)[0]}.dataset {kind!r} needs {key} "
+                          f"(a file or a folder of {'.txt/' if kind == 'text' else ''}.jsonl/.parquet)")
+
+
+def _validate_data(config: JobConfig, dims: ParallelDims) -> None:
+    t, v = config.training, config.validation
+    _check_path("training.dataset_path", t.dataset_path, t.dataset)
+    if v.enable:
+        _check_path("validation.dataset_path", v.dataset_path, v.dataset or t.dataset)
+    kinds = {t.dataset} | ({v.dataset or t.dataset} if v.enable else set())
+    packed = t.packing and bool(kinds - {"passkey"})
+    if packed and config.model.attn_backend == "sdpa":
+        from titan_ulysses.data.sharding import padded_length
+
+        s = padded_length(t.seq_len, dims.sp)
+        if t.local_batch_size * s * s > SDPA_DENSE_MASK_MAX_ELEMENTS:
+            gib = t.local_batch_size * s * s / 2**30
+            raise ConfigError(
+                f"packed documents on model.attn_backend 'sdpa' need a dense [{t.local_batch_size}, 1, {s}, {s}] "
+                f"document mask ({gib:.0f} GiB) at training.seq_len {t.seq_len}; use model.attn_backend 'flex' "
+                f"or 'flash_attn', or training.packing = false (one document per window)"
+            )
 
 
 def float8_options(config: JobConfig) -> Float8Options | None:

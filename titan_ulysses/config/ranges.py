@@ -33,6 +33,9 @@ RANGES: dict[str, tuple] = {
     "lr_scheduler.warmup_steps": (0, None, True, False),
     "lr_scheduler.decay_ratio": (0, 1, True, True),
     "lr_scheduler.min_lr_factor": (0, 1, True, True),
+    "training.min_document_tokens": (0, None, True, False),  # 0 keeps every document
+    "validation.freq": (0, None, False, False),
+    "validation.steps": (0, None, False, False),
     "checkpoint.interval": (0, None, False, False),
     "checkpoint.keep_latest_k": (0, None, True, False),  # 0 keeps all
     "metrics.log_freq": (0, None, False, False),

@@ -1,4 +1,7 @@
-"""Map-style datasets indexed by a global sample index, so every layout sees the same samples.
+"""Synthetic passkey retrieval, indexed by a global sample index, so every layout sees the same samples.
+
+Datasets read from local files (pretraining text, SFT) live in ``windows.py`` over a
+token store (``token_store.py``); ``build.py`` picks one from the config.
 
 An item is a dict of 1-D LongTensors of length ``seq_len``: ``input``, ``labels`` (next
 tokens, shifted on the full sequence, IGNORE_INDEX where there is no target),
@@ -7,9 +10,6 @@ tokens, shifted on the full sequence, IGNORE_INDEX where there is no target),
 
 from __future__ import annotations
 
-import glob
-import json
-import os
 import random
 
 import torch
@@ -60,6 +60,8 @@ def random_passkey(rng: random.Random, digits: int) -> int:
 class PasskeyDataset:
     """Synthetic passkey retrieval, generated from (seed, index): a ``digits``-digit key at a random depth."""
 
+    packed = False  # one document per row
+
     def __init__(self, tokenizer, seq_len: int, seed: int, digits: int = 5):
         self.tokenizer, self.seq_len, self.seed, self.digits = tokenizer, seq_len, seed, digits
 
@@ -74,64 +76,3 @@ class PasskeyDataset:
         key, depth = self.key_and_depth(index)
         tokens, _ = make_passkey_tokens(self.tokenizer, self.seq_len, key, depth)
         return _item(tokens)
-
-
-def _read_documents(path: str) -> list[str]:
-    files = sorted(
-        f for ext in ("txt", "jsonl", "parquet") for f in glob.glob(os.path.join(path, f"*.{ext}"))
-    ) if os.path.isdir(path) else [path]
-    if not files or not all(os.path.isfile(f) for f in files):
-        raise FileNotFoundError(f"training.dataset_path {path!r} has no .txt, .jsonl or .parquet file")
-    docs = []
-    for f in files:
-        if f.endswith(".jsonl"):
-            with open(f) as fh:
-                docs += [json.loads(line)["text"] for line in fh if line.strip()]
-        elif f.endswith(".parquet"):
-            try:
-                import pyarrow.parquet as pq
-            except ImportError as e:
-                raise ImportError(f"reading {f} needs pyarrow: pip install pyarrow") from e
-            docs += [t for t in pq.read_table(f, columns=["text"]).column("text").to_pylist() if t]
-        else:
-            with open(f) as fh:
-                docs.append(fh.read())
-    return docs
-
-
-class PackedTextDataset:
-    """Local documents tokenized with BOS/EOS, concatenated and cut into seq_len windows.
-
-    Window i covers tokens ``[i*seq_len, i*seq_len + seq_len + 1)`` of the stream, so labels
-    tile the stream exactly; indices wrap around (epochs).
-    """
-
-    def __init__(self, path: str, tokenizer, seq_len: int):
-        self.seq_len = seq_len
-        tokens, doc_ids = [], []
-        for d, text in enumerate(_read_documents(path)):
-            ids = tokenizer.encode(text)
-            tokens += ids
-            doc_ids += [d] * len(ids)
-        if len(tokens) < seq_len + 1:
-            raise ValueError(
-                f"training.dataset_path {path!r} holds {len(tokens)} tokens, fewer than training.seq_len + 1 = {seq_len + 1}"
-            )
-        self.tokens, self.doc_ids = tokens, doc_ids
-        self.n_windows = (len(tokens) - 1) // seq_len
-
-    def __len__(self) -> int:
-        return self.n_windows
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        start = (index % self.n_windows) * self.seq_len
-        end = start + self.seq_len + 1
-        return _item(self.tokens[start:end], self.doc_ids[start:end])
-
-
-def build_dataset(kind: str, path: str, tokenizer, seq_len: int, seed: int, passkey_digits: int):
-    if kind == "passkey":
-        return PasskeyDataset(tokenizer, seq_len, seed, passkey_digits)
-    if kind == "text":
-        return PackedTextDataset(path, tokenizer, seq_len)
-    raise ValueError(f"training.dataset {kind!r} is not one of ['passkey', 'text']")

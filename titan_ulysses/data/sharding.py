@@ -88,3 +88,17 @@ def shard_batch(
         positions=positions.chunk(sp, dim=1)[sp_rank],
         document_ids=document_ids,
     )
+
+
+def shard_loader_batch(batch: dict, sp_rank: int, sp: int, device, packed: bool, pad_token: int = 0) -> SPBatch:
+    """Shard one loader batch (dict of ``[B, S]`` tensors) for rank ``sp_rank`` of ``sp``.
+
+    Positions are those of the batch, row by row (they restart per document when rows are
+    packed); document ids are kept only when ``packed``, so that attention masks per document.
+    """
+    return shard_batch(
+        batch["input"].to(device), batch["labels"].to(device), sp_rank, sp,
+        positions=batch["positions"].to(device) if "positions" in batch else None,
+        document_ids=batch["document_ids"].to(device) if packed else None,
+        pad_token=pad_token,
+    )

@@ -47,14 +47,29 @@ class MetricsLogger:
             f"step {step:>5}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
             f"lr {metrics['lr']:.2e}  tok/s/dev {metrics['tokens_per_sec_per_device']:,.0f}  "
             + (f"mfu {mfu:.1f}%  " if mfu is not None else "")
-            + f"mem {metrics['max_memory_gib']:.2f} GiB",
+            + f"mem {metrics['max_memory_gib']:.2f} GiB"
+            + (f"  loss_tokens {metrics['loss_tokens']:,}  pad {100 * metrics['padding']:.1f}%"
+               if "loss_tokens" in metrics else "")
+            + (f"  truncated {metrics['truncated']}" if metrics.get("truncated") else "")
+            + (f"  dropped {metrics['dropped']}" if metrics.get("dropped") else ""),
             flush=True,
         )
+        self._write(metrics)
+
+    def log_validation(self, step: int, metrics: dict) -> None:
+        """Held-out loss: one console line, a ``validation_loss`` record in metrics.jsonl and tensorboard."""
+        if self.rank != 0:
+            return
+        print(f"step {step:>5}  validation_loss {metrics['validation_loss']:.4f}  "
+              f"tokens {metrics['validation_tokens']:,}", flush=True)
+        self._write({"step": step, **metrics})
+
+    def _write(self, metrics: dict) -> None:
         append_line(self.jsonl_path, json.dumps(metrics))
         if self.tb is not None:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, step)
+                    self.tb.add_scalar(key, value, metrics["step"])
 
     def close(self) -> None:
         if self.tb is not None:

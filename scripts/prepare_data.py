@@ -1,0 +1,57 @@
+"""Tokenize a corpus into the token store ahead of training, with worker processes.
+
+    python scripts/prepare_data.py --config train_configs/X.toml [--section.key value ...] [--workers N]
+
+Reads the same settings as training (``training.dataset``, ``dataset_path``,
+``dataset_cache_dir``, ``model.tokenizer`` / ``tokenizer_path``, ``training.chat_template``;
+with ``validation.enable`` also the held-out set) and builds exactly the store a run with
+those settings would build, so the run then starts at once. Prints the throughput.
+A store that already exists is reported, not rebuilt.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from titan_ulysses.config.manager import ConfigError, load_config  # noqa: E402
+from titan_ulysses.data.build import open_store  # noqa: E402
+from titan_ulysses.data.sources import DataError, list_files  # noqa: E402
+from titan_ulysses.data.tokenizer import build_tokenizer  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    workers = os.cpu_count() or 1
+    if "--workers" in argv:
+        i = argv.index("--workers")
+        workers = int(argv[i + 1])
+        argv = argv[:i] + argv[i + 2:]
+    try:
+        config = load_config(argv)
+        tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path)
+        t, v = config.training, config.validation
+        jobs = [(t.dataset, t.dataset_path)]
+        if v.enable and (v.dataset or t.dataset) != "passkey":
+            jobs.append((v.dataset or t.dataset, v.dataset_path))
+        for kind, path in jobs:
+            if kind == "passkey":
+                print("training.dataset 'passkey' is synthetic: nothing to prepare")
+                continue
+            size = sum(os.path.getsize(f) for f in list_files(path))
+            start = time.perf_counter()
+            store = open_store(kind, path, tokenizer, config, processes=workers)
+            took = time.perf_counter() - start
+            print(f"{path}: {size / 2**20:,.0f} MB -> {store.n_docs:,} documents, {store.n_tokens:,} tokens "
+                  f"({store.tokens.dtype}) in {took:.1f}s with {workers} worker(s): {size / 2**20 / took:,.1f} MB/s, "
+                  f"{store.n_tokens / took / 1e6:,.2f} M tokens/s; store {store.folder}", flush=True)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

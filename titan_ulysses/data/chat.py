@@ -1,0 +1,164 @@
+"""Chat templates rendered the Hugging Face way, and the character spans of the assistant turns.
+
+Where the template comes from, first match wins:
+
+1. ``training.chat_template``: a ``.jinja`` file, or a ``tokenizer_config.json`` holding one;
+2. the tokenizer's own ``chat_template`` attribute (a tokenizer that loads Hugging Face
+   files can set it; this is the only hook this module asks of a tokenizer);
+3. beside ``model.tokenizer_path`` (or inside it, for a folder): ``chat_template.jinja``
+   (where transformers >= 4.50 saves it), else ``tokenizer_config.json``'s ``chat_template``;
+4. otherwise ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``), what TRL's
+   ``setup_chat_format`` installs on models that have no template. With the byte tokenizer
+   its markers are plain bytes.
+
+Rendering goes through ``transformers``' own ``render_jinja_template`` when transformers is
+installed (so the text is exactly ``apply_chat_template``'s), else through a jinja2
+sandbox set up like transformers'. Special-token strings the template emits (``<|im_end|>``,
+``<|eot_id|>``) become their ids only if the tokenizer's ``encode`` maps them, as a
+Hugging Face ``tokenizer.json`` does.
+
+Assistant turns: a template with ``{% generation %}`` marks them itself; for any other
+template, assistant turn ``i`` is the text that rendering ``messages[:i+1]`` adds to
+rendering ``messages[:i]`` with the generation prompt (so the turn's header is prompt and its
+end-of-turn marker is completion, as in TRL's ``assistant_only_loss``). A template that does
+not render conversations prefix by prefix (one that drops earlier turns' reasoning, say)
+is refused with a message rather than masked wrongly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from titan_ulysses.data.sources import DataError
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _token_string(value):
+    """A special token in tokenizer_config.json is a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None, origin: str = ""):
+        self.source, self.origin = source, origin
+        self.special_tokens = special_tokens or {}
+        self.has_generation_tags = bool(re.search(r"\{%-?\s*generation\s*-?%\}", source))
+        self._compiled = None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        try:
+            from transformers.utils.chat_template_utils import render_jinja_template
+        except ImportError:
+            render_jinja_template = None
+        if render_jinja_template is not None:
+            rendered, _ = render_jinja_template(
+                conversations=[messages], chat_template=self.source,
+                add_generation_prompt=add_generation_prompt, **self.special_tokens,
+            )
+            return rendered[0]
+        return self._jinja().render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    **self.special_tokens)
+
+    def generation_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """Text and ``{% generation %}`` spans (templates that mark assistant output)."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, indices = render_jinja_template(
+            conversations=[messages], chat_template=self.source, return_assistant_tokens_mask=True,
+            **self.special_tokens,
+        )
+        return rendered[0], list(indices[0])
+
+    def _jinja(self):
+        if self._compiled is None:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message):
+                raise jinja2.exceptions.TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[jinja2.ext.loopcontrols])
+            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+            env.globals["raise_exception"] = raise_exception
+            self._compiled = env.from_string(self.source)
+        return self._compiled
+
+
+def _special_tokens(path: str) -> dict[str, str]:
+    """bos_token, eos_token, ... of a tokenizer_config.json: the variables templates use."""
+    with open(path) as f:
+        cfg = json.load(f)
+    special = {k: _token_string(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    return {k: v for k, v in special.items() if v is not None}
+
+
+def _from_tokenizer_config(path: str) -> ChatTemplate | None:
+    with open(path) as f:
+        template = json.load(f).get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not template:
+        return None
+    return ChatTemplate(template, _special_tokens(path), origin=path)
+
+
+def load_chat_template(setting: str, tokenizer, tokenizer_path: str) -> ChatTemplate:
+    """The chat template to render ``messages`` rows with (see the module docstring for the order)."""
+    if setting:
+        if not os.path.isfile(setting):
+            raise DataError(f"training.chat_template {setting!r} is not a file (a .jinja template or tokenizer_config.json)")
+        if setting.endswith(".json"):
+            found = _from_tokenizer_config(setting)
+            if found is None:
+                raise DataError(f"training.chat_template {setting!r} has no 'chat_template' entry")
+            return found
+        with open(setting) as f:
+            return ChatTemplate(f.read(), origin=setting)
+    own = getattr(tokenizer, "chat_template", None)
+    if own:
+        return ChatTemplate(own, getattr(tokenizer, "special_tokens", None), origin="the tokenizer")
+    if tokenizer_path:
+        folder = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(os.path.abspath(tokenizer_path))
+        cfg = os.path.join(folder, "tokenizer_config.json")
+        found = _from_tokenizer_config(cfg) if os.path.isfile(cfg) else None
+        jinja = os.path.join(folder, "chat_template.jinja")  # where transformers >= 4.50 saves it
+        if os.path.isfile(jinja):
+            with open(jinja) as f:
+                specials = found.special_tokens if found else _special_tokens(cfg) if os.path.isfile(cfg) else {}
+                return ChatTemplate(f.read(), specials, origin=jinja)
+        if found is not None:
+            return found
+    return ChatTemplate(CHATML_TEMPLATE, origin="ChatML fallback")
+
+
+def assistant_spans(template: ChatTemplate, messages: list[dict], first: int = 0,
+                    where="") -> tuple[str, list[tuple[int, int]]]:
+    """Rendered text and the character spans of assistant turns with index >= ``first``."""
+    if template.has_generation_tags and first == 0:
+        return template.generation_spans(messages)
+    text = template.render(messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if i < first or message.get("role") != "assistant":
+            continue
+        before = template.render(messages[:i], add_generation_prompt=True) if i else ""
+        upto = template.render(messages[: i + 1])
+        if not (upto.startswith(before) and text.startswith(upto)):
+            raise DataError(
+                f"{where}: chat template ({template.origin}) does not render this conversation prefix by prefix, "
+                f"so its assistant turns cannot be located; use a template with {{% generation %}} tags "
+                f"(training.chat_template)"
+            )
+        spans.append((len(before), len(upto)))
+    return text, spans
