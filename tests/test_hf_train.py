@@ -21,11 +21,11 @@ SEQ, BATCH = 64, 4
 
 def _data(folder, seed):
     """The trainer's own first global batch (passkey data, dp = 1), and more batches from another seed."""
-    from titan_ulysses.data.datasets import build_dataset
+    from titan_ulysses.data.datasets import PasskeyDataset
     from titan_ulysses.data.loader import build_dataloader
 
     tok = HFTokenizer(folder)
-    loader = build_dataloader(build_dataset("passkey", "", tok, SEQ, seed, 1), global_batch_size=BATCH,
+    loader = build_dataloader(PasskeyDataset(tok, SEQ, seed, digits=1), global_batch_size=BATCH,
                               local_batch_size=BATCH, dp_rank=0, dp_size=1)
     return iter(loader)
 

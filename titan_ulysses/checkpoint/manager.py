@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_ulysses.checkpoint import manifest
 from titan_ulysses.checkpoint.safety import explain_save_error, is_out_of_space, nonfinite_tensors, set_aside, state_bytes
+from titan_ulysses.data.sources import DataError
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -405,6 +406,8 @@ class CheckpointManager:
             if reason is None:
                 try:
                     loaded = self._load_full(path)
+                except DataError:  # a sound checkpoint of other data settings: refuse, never set it aside
+                    raise
                 except LOAD_ERRORS as e:
                     loaded, reason = None, f"loading failed: {type(e).__name__}: {str(e).strip()[:500]}"
                 reasons = [r for r in self._gather(reason) if r]  # every rank must have loaded
