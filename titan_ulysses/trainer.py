@@ -272,7 +272,7 @@ class Trainer:
         self._preempted = True
 
     def _microbatches(self, data_iter):
-        sp_mesh = self.parallel_dims.get_mesh("sp")
+        sp_mesh, cp_mesh = self.parallel_dims.get_mesh("sp"), self.parallel_dims.get_mesh("cp")
         for _ in range(self.accumulation_steps):
             batch = next(data_iter)
             docs = batch["document_ids"] if self.use_doc_mask else None
@@ -282,7 +282,7 @@ class Trainer:
                 sp_mesh.get_local_rank(), sp_mesh.size(),
                 positions=None if positions is None else positions.to(self.device),
                 document_ids=None if docs is None else docs.to(self.device),
-                pad_token=self.tokenizer.pad_id,
+                pad_token=self.tokenizer.pad_id, cp_rank=cp_mesh.get_local_rank(), cp=cp_mesh.size(),
             )
 
     def train_step(self, data_iter) -> dict:

@@ -1,0 +1,168 @@
+"""Context parallelism (``cp``, all-gather of K/V) alone and beside Ulysses equals one process.
+
+Each layout case checks this rank's logits (mapped back through the load-balanced order),
+the loss, every parameter gradient and the parameters after AdamW steps (fp32, rtol 1e-5),
+with S = 13 (every case pads) and GQA (8 q heads, 2 or 1 kv heads; kv replicated for sp).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import assert_close, run_distributed
+from model_harness import build_pair, clean_name, full, small_args
+from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.data.sharding import check_seq_len, load_balanced_order, shard_batch
+from titan_ulysses.distributed.context_parallel import cp_mask
+from titan_ulysses.distributed.parallel_dims import ParallelDims
+from titan_ulysses.distributed.utils import dist_sum, global_token_count
+from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+from titan_ulysses.ops.attention import build_attention_mask
+from titan_ulysses.ops.loss import IGNORE_INDEX, cross_entropy_sum
+
+SEQ_LEN = 13  # padded to 16 by 2 x cp x sp = 4 or 8
+STEPS = 2
+LR = 1e-3
+
+
+def _batch(step: int, vocab: int, packed: bool):
+    """A global batch of 4 rows; with ``packed``, documents of random lengths and their positions."""
+    g = torch.Generator().manual_seed(2000 + step)
+    tokens = torch.randint(0, vocab, (4, SEQ_LEN + 1), generator=g)
+    inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    labels[torch.rand(4, SEQ_LEN, generator=g) < 0.3] = IGNORE_INDEX
+    labels[0, : SEQ_LEN // 2] = IGNORE_INDEX
+    if not packed:
+        return inputs, labels, None, None
+    starts = torch.rand(4, SEQ_LEN, generator=g) < 0.25
+    starts[:, 0] = True
+    docs = starts.long().cumsum(1) - 1  # [4, S]
+    index = torch.arange(SEQ_LEN).expand(4, SEQ_LEN)
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(1).values
+    return inputs, labels, docs, index - first  # positions restart in every document
+
+
+def _compare(layout: dict, overrides: dict, packed: bool):
+    pd = ParallelDims(**layout, world_size=dist.get_world_size())
+    pd.build_mesh("cpu")
+    args = small_args(**overrides)
+    ref, model = build_pair(args, pd, ParallelizeOptions(param_dtype=torch.float32))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
+    ref_params = dict(ref.named_parameters())
+    dp, dp_rank = pd.get_mesh("dp").size(), pd.get_mesh("dp").get_local_rank()
+    sp, sp_rank = pd.get_mesh("sp").size(), pd.get_mesh("sp").get_local_rank()
+    cp, cp_rank = pd.get_mesh("cp").size(), pd.get_mesh("cp").get_local_rank()
+    loss_mesh = pd.get_mesh("loss")
+
+    for step in range(STEPS):
+        inputs, labels, docs, positions = _batch(step, args.vocab_size, packed)
+        ref_mask = build_attention_mask("sdpa", docs)
+        ref_logits = ref(inputs, positions=positions, attention_mask=ref_mask)
+        ref_loss = cross_entropy_sum(ref_logits, labels) / (labels != IGNORE_INDEX).sum()
+        ref_loss.backward()
+
+        rows = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
+        mb = shard_batch(inputs[rows], labels[rows], sp_rank, sp,
+                         positions=None if positions is None else positions[rows],
+                         document_ids=None if docs is None else docs[rows], cp_rank=cp_rank, cp=cp)
+        n_tokens = global_token_count([mb.labels], loss_mesh)
+        out = model(mb.tokens, positions=mb.positions, attention_mask=build_attention_mask("sdpa", mb.document_ids))
+        loss = cross_entropy_sum(out, mb.labels) / n_tokens
+        loss.backward()
+        assert_close(dist_sum(loss.detach(), loss_mesh).float(), ref_loss.detach().float(), f"step {step} loss")
+
+        real = mb.index < SEQ_LEN  # this rank's tokens that are not padding, wherever they sit
+        assert_close(out.detach()[:, real], ref_logits.detach()[rows][:, mb.index[real]], f"step {step} logits")
+        grads = {clean_name(n): full(p.grad) for n, p in model.named_parameters()}
+        assert grads.keys() == ref_params.keys()
+        for name, g in grads.items():
+            assert_close(g, ref_params[name].grad, f"step {step} grad {name}")
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(
+            full(p.detach()), ref_params[clean_name(name)].detach(), rtol=1e-5, atol=LR * 1e-2,
+            msg=lambda m: f"param {name} after {STEPS} steps: {m}",
+        )
+
+
+CASES = {
+    # id: (world size, layout, model overrides, packed documents)
+    "cp2": (2, dict(cp=2), {}, False),
+    "cp2-packed-documents": (2, dict(cp=2), {}, True),
+    "cp2-sp2-kv-replicated": (4, dict(cp=2, sp=2), dict(n_kv_heads=1), False),
+    "dp_shard2-cp2": (4, dict(dp_shard=2, cp=2), {}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cp_layout_matches_single_process(case):
+    world, layout, overrides, packed = CASES[case]
+    run_distributed(_compare, world, layout, overrides, packed)
+
+
+def _pairs(q_index: torch.Tensor, k_index: torch.Tensor) -> int:
+    return int((q_index[:, None] >= k_index[None, :]).sum())
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_balanced_order_gives_every_cp_rank_the_same_causal_work(cp):
+    s = 64
+    local = s // cp
+    # the masks the attention wrapper builds: unmasked (q, k) pairs per cp rank
+    balanced = [int(cp_mask(None, r, cp, local, "cpu").sum()) for r in range(cp)]
+    assert len(set(balanced)) == 1, balanced
+    assert sum(balanced) == s * (s + 1) // 2  # every causal pair scored once, on one rank
+    # a plain contiguous split: the last rank does cp*2-1 times the first rank's work
+    keys = torch.arange(s)
+    plain = [_pairs(torch.arange(r * local, (r + 1) * local), keys) for r in range(cp)]
+    assert plain == sorted(plain) and plain[-1] > 2 * plain[0], plain
+    assert sum(plain) == sum(balanced)
+    # the order itself: rank r holds chunks r and 2cp-1-r
+    chunk = s // (2 * cp)
+    held = load_balanced_order(s, cp).view(cp, 2, chunk)[:, :, 0] // chunk
+    assert held.tolist() == [[r, 2 * cp - 1 - r] for r in range(cp)]
+
+
+def test_cp_refusals_name_the_settings():
+    with pytest.raises(ValueError, match=r"^seq_len 1000 is not divisible by 2 x context_parallel_degree x "
+                                         r"ulysses_degree = 2 x 3 x 2 = 12 .*; use seq_len 996 or 1008$"):
+        check_seq_len(1000, sp=2, cp=3)
+    tokens = torch.zeros(1, 12, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"seq_len 12 is not divisible by 2 x context_parallel_degree"):
+        shard_batch(tokens, tokens, 0, 2, pad=False, cp_rank=0, cp=2)
+    with pytest.raises(ValueError, match=r"^data_parallel_shard_degree 2 x context_parallel_degree 2 x ulysses_degree 2 "
+                                         r"= 8, but the world size is 4"):
+        ParallelDims(dp_shard=2, cp=2, sp=2, world_size=4)
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by .*context_parallel_degree.* = 1 x 4 x 1 x 1 = 4"):
+        ParallelDims(cp=4, world_size=6)
+    with pytest.raises(ValueError, match="context_parallel_degree 0 must be >= 1"):
+        ParallelDims(cp=0, world_size=2)
+    base = ["--config", "train_configs/debug_model.toml", "--parallelism.ulysses_degree", "2",
+            "--parallelism.context_parallel_degree", "2"]
+    with pytest.raises(ConfigError, match=r"^training.seq_len: seq_len 1001 is not divisible by 2 x "
+                                          r"context_parallel_degree x ulysses_degree = 2 x 2 x 2 = 8"):
+        validate(load_config(base + ["--training.seq_len", "1001"]), 4)
+    with pytest.raises(ConfigError, match=r"^parallelism: .*context_parallel_degree 2 .* = 4, but the world size is 8"):
+        validate(load_config(base + ["--parallelism.data_parallel_shard_degree", "1"]), 8)
+    with pytest.raises(ConfigError, match=r"context_parallel_degree 2 is implemented for model.attn_backend 'sdpa' only"):
+        validate(load_config(base + ["--model.attn_backend", "flex"]), 4)
+    pd = validate(load_config(base), 8)
+    assert pd.degrees == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "sp": 2, "tp": 1}
+    assert pd.size("fsdp_shard") == 8 and pd.size("dp_shard_sp") == 8 and pd.size("loss") == 8
+    assert pd.size("dp") == 2 and pd.size("seq") == 4
+
+
+def test_cp_refuses_backends_it_does_not_implement():
+    from titan_ulysses.distributed.context_parallel import ContextParallelAttention
+    from titan_ulysses.ops.attention import FlexAttention
+
+    class OneRankMesh:  # the backend check comes before any process group is touched
+        ndim = 1
+
+    with pytest.raises(NotImplementedError, match="attn_backend 'sdpa' only, not FlexAttention"):
+        ContextParallelAttention(FlexAttention(), OneRankMesh())  # type: ignore[arg-type]
