@@ -166,3 +166,29 @@ def test_cp_refuses_backends_it_does_not_implement():
 
     with pytest.raises(NotImplementedError, match="attn_backend 'sdpa' only, not FlexAttention"):
         ContextParallelAttention(FlexAttention(), OneRankMesh())  # type: ignore[arg-type]
+
+
+def test_trainer_runs_context_parallel_through_torchrun(tmp_path):
+    """``--parallelism.context_parallel_degree 2`` end to end (torchrun, 2 ranks) follows one process's losses."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_trainer import BASE, layout, losses, run
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    steps = ["--training.steps", "3"]
+    ref = losses(run(1, steps + layout(), tmp_path, "single"))
+    folder = tmp_path / "cp2"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
+         *BASE, *steps, *layout(), "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(folder)],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'cp': 2" in proc.stdout
+    with open(folder / "metrics.jsonl") as f:
+        cp2 = losses([json.loads(line) for line in f])
+    for s in range(1, 4):
+        assert cp2[s] == pytest.approx(ref[s], rel=1e-5), f"step {s}: {cp2[s]} vs {ref[s]}"
