@@ -2,7 +2,8 @@
 
 Each layout case checks this rank's logits (mapped back through the load-balanced order),
 the loss, every parameter gradient and the parameters after AdamW steps (fp32, rtol 1e-5),
-with S = 13 (every case pads) and GQA (8 q heads, 2 or 1 kv heads; kv replicated for sp).
+with S = 13 (every case pads) and GQA (8 q heads with 2 kv heads; 6 q heads with 1 kv head,
+replicated for sp, a head count that Ulysses alone cannot split over the same 4 ranks).
 """
 
 import pytest
@@ -94,7 +95,8 @@ CASES = {
     # id: (world size, layout, model overrides, packed documents)
     "cp2": (2, dict(cp=2), {}, False),
     "cp2-packed-documents": (2, dict(cp=2), {}, True),
-    "cp2-sp2-kv-replicated": (4, dict(cp=2, sp=2), dict(n_kv_heads=1), False),
+    # 6 heads: Ulysses cannot split them over 4 ranks (refused, naming 2 x 2), cp x sp can; 1 kv head replicated for sp
+    "cp2-sp2-6heads-kv-replicated": (4, dict(cp=2, sp=2), dict(dim=48, n_heads=6, n_kv_heads=1), False),
     "dp_shard2-cp2": (4, dict(dp_shard=2, cp=2), {}, False),
 }
 
@@ -155,6 +157,26 @@ def test_cp_refusals_name_the_settings():
     assert pd.degrees == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "sp": 2, "tp": 1}
     assert pd.size("fsdp_shard") == 8 and pd.size("dp_shard_sp") == 8 and pd.size("loss") == 8
     assert pd.size("dp") == 2 and pd.size("seq") == 4
+
+
+def test_heads_ulysses_cannot_split_name_the_cp_splits_that_work():
+    from titan_ulysses.distributed.ulysses import check_heads
+
+    # the layout of the cp2-sp2-6heads case, asked of Ulysses alone
+    with pytest.raises(ValueError, match=r"n_heads 6 is not divisible by ulysses_degree x tensor_parallel_degree = 4 x 1; "
+                                         r".*to split each sequence over 4 ranks, use ulysses_degree x "
+                                         r"context_parallel_degree = 2 x 2, 1 x 4$"):
+        check_heads(6, 1, sp=4, tp=1)
+    check_heads(6, 1, sp=2, tp=1, cp=2)
+    # Qwen2.5-7B: 28 heads, 4 kv heads, cannot run at ulysses_degree 8
+    with pytest.raises(ValueError, match=r"over 8 ranks, use ulysses_degree x context_parallel_degree = 4 x 2, 2 x 4, 1 x 8"):
+        check_heads(28, 4, sp=8, tp=1)
+    check_heads(28, 4, sp=4, tp=1, cp=2)
+    # the config names the settings (debugmodel: 16 heads)
+    with pytest.raises(ConfigError, match=r"^parallelism.ulysses_degree / tensor_parallel_degree: n_heads 16 .*to split "
+                                          r"each sequence over 6 ranks, use ulysses_degree x context_parallel_degree = 2 x 3"):
+        validate(load_config(["--config", "train_configs/debug_model.toml", "--parallelism.ulysses_degree", "3",
+                              "--parallelism.context_parallel_degree", "2", "--training.seq_len", "1200"]), 6)
 
 
 def test_cp_refuses_backends_it_does_not_implement():

@@ -156,7 +156,7 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     source = f"model.hf_assets_path {config.model.hf_assets_path!r}" if config.model.hf_assets_path else (
         f"model.flavor {config.model.flavor!r}")
     try:
-        check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp)
+        check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp, dims.cp)
     except ValueError as e:
         raise ConfigError(f"parallelism.ulysses_degree / tensor_parallel_degree: {e} ({source})") from e
     try:

@@ -43,7 +43,7 @@ def parallelize_llama(
     """
     options = options or ParallelizeOptions()
     args = model.args
-    check_heads(args.n_heads, args.n_kv_heads, parallel_dims.sp, parallel_dims.tp)
+    check_heads(args.n_heads, args.n_kv_heads, parallel_dims.sp, parallel_dims.tp, parallel_dims.cp)
     if options.float8 is not None:
         apply_float8(model, options.float8)
     if parallel_dims.tp_enabled:
