@@ -214,3 +214,71 @@ def test_trainer_runs_context_parallel_through_torchrun(tmp_path):
         cp2 = losses([json.loads(line) for line in f])
     for s in range(1, 4):
         assert cp2[s] == pytest.approx(ref[s], rel=1e-5), f"step {s}: {cp2[s]} vs {ref[s]}"
+
+
+def test_estimator_and_comm_model_know_cp():
+    import dataclasses
+
+    from titan_ulysses.metrics.comm import context_parallel_bytes_per_step, ulysses_bytes_per_step
+    from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
+    from titan_ulysses.metrics.memory_fit import recommend
+    from titan_ulysses.models.llama.args import get_flavor
+
+    args = get_flavor("debugmodel")  # 6 layers, 16 heads, 4 kv heads, head_dim 16
+    # cp=2 x sp=4 over 4096 tokens: after Ulysses a rank holds 2048 tokens of 4/4 = 1 kv head;
+    # the ring all-gather sends 1 block of k and v per layer and pass (backward: reduce-scatter)
+    per_pass = 2048 * 2 * 1 * 16 * 4
+    assert context_parallel_bytes_per_step(args, 4096, 1, 2, 4, 1, 4, False) == pytest.approx(6 * 2 * per_pass)
+    assert context_parallel_bytes_per_step(args, 4096, 1, 2, 4, 1, 4, True) == pytest.approx(6 * 3 * per_pass)
+    assert context_parallel_bytes_per_step(args, 4096, 1, 1, 8, 1, 4, False) == 0.0
+    # Ulysses' share over cp x sp moves half the tokens of sp=4 alone
+    assert ulysses_bytes_per_step(args, 4096, 1, 4, 1, 4, False, cp=2) == pytest.approx(
+        ulysses_bytes_per_step(args, 4096, 1, 4, 1, 4, False) / 2)
+
+    big = get_flavor("8B")
+    sw = Switches()
+    sp8, hybrid = estimate(big, Layout(sp=8), sw, 131072), estimate(big, Layout(sp=4, cp=2), sw, 131072)
+    assert hybrid.parameters == pytest.approx(sp8.parameters)  # FSDP shards over cp x sp alike
+    # same local tokens, plus the K/V prefixes the two chunks attend to, (2cp+1)/2cp of the sequence
+    # (bf16: GQA kept, 8 kv heads split over sp 4): per layer 2 bytes x 2 (k, v) x 2 kv heads x 128 x 5/4 x 131072
+    extra = big.n_layers * 2 * 2 * 2 * 128 * 5 / 4 * 131072
+    assert hybrid.saved_activations - sp8.saved_activations == pytest.approx(extra, rel=0.01)
+    # full AC keeps none of it: it comes back only in the recompute of one layer
+    full = dataclasses.replace(sw, ac_mode="full")
+    assert estimate(big, Layout(sp=4, cp=2), full, 131072).saved_activations == pytest.approx(
+        estimate(big, Layout(sp=8), full, 131072).saved_activations)
+
+    # Qwen2.5-7B's shape (28 heads, 4 kv heads): ulysses_degree 8 is impossible on 8 GPUs, so a
+    # length that needs 8 ranks per sequence gets ulysses 4 x context_parallel 2
+    qwen = get_flavor("8B", dim=3584, n_heads=28, n_kv_heads=4, ffn_hidden_dim=18944, vocab_size=152064)
+    rec = recommend(qwen, Layout(dp_shard=8), sw, 2621440, 1, 8, 0.9 * 80 * GIB)
+    assert rec is not None and rec[1][:2] == ["--parallelism.ulysses_degree 4",
+                                              "--parallelism.context_parallel_degree 2"], rec[1]
+    # where Ulysses alone is allowed it is chosen: the 8B (32 heads) at the same length
+    rec = recommend(big, Layout(dp_shard=8), sw, 2621440, 1, 8, 0.9 * 80 * GIB)
+    assert rec is not None and rec[1][0] == "--parallelism.ulysses_degree 8" and "context" not in " ".join(rec[1])
+
+
+def test_fake_world_runs_cp_and_reports_its_volume(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from titan_ulysses.metrics.comm import context_parallel_bytes_per_step
+    from titan_ulysses.models.llama.args import get_flavor
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "fake"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--config", "train_configs/debug_model.toml", "--comm.mode", "fake",
+         "--comm.fake_world_size", "8", "--parallelism.ulysses_degree", "4", "--parallelism.context_parallel_degree", "2",
+         "--training.seq_len", "1024", "--training.local_batch_size", "1", "--training.steps", "1",
+         "--checkpoint.enable", "false", "--job.dump_folder", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "'cp': 2" in proc.stdout and "'sp': 4" in proc.stdout
+    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    expected = context_parallel_bytes_per_step(get_flavor("debugmodel"), 1024, 1, 2, 4, 1, 4, False)
+    assert metrics[-1]["cp_gib_per_step"] == pytest.approx(expected / 2**30)

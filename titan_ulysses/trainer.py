@@ -33,7 +33,7 @@ from titan_ulysses.distributed.float8 import precompute_float8_scales
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, global_token_count, load_full_state_dict
 from titan_ulysses.distributed.watchdog import exit_with_launcher, set_timeouts
-from titan_ulysses.metrics.comm import ulysses_bytes_per_step
+from titan_ulysses.metrics.comm import context_parallel_bytes_per_step, ulysses_bytes_per_step
 from titan_ulysses.metrics.flops import flops_per_token, peak_flops
 from titan_ulysses.metrics.logger import MetricsLogger, max_memory_gib
 from titan_ulysses.models.hf_config import describe, load_hf_args
@@ -231,9 +231,12 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
         self.peak_flops = peak_flops(self.device)
         self.use_doc_mask = config.model.attn_backend in DOC_MASK_BACKENDS
+        comm_args = (torch.finfo(options.param_dtype).bits // 8, options.ac_mode in ("full", "full_offload"))
         self.a2a_bytes = ulysses_bytes_per_step(
-            self.args, t.seq_len, self.global_batch_size // pd.size("dp"), pd.sp, pd.tp,
-            torch.finfo(options.param_dtype).bits // 8, options.ac_mode in ("full", "full_offload"),
+            self.args, t.seq_len, self.global_batch_size // pd.size("dp"), pd.sp, pd.tp, *comm_args, cp=pd.cp,
+        )
+        self.cp_bytes = context_parallel_bytes_per_step(
+            self.args, t.seq_len, self.global_batch_size // pd.size("dp"), pd.cp, pd.sp, pd.tp, *comm_args,
         )
         self._preempted = False
         if self.rank == 0:
@@ -366,6 +369,7 @@ class Trainer:
                         "mfu": mfu, "max_memory_gib": max_memory_gib(self.device),
                         "a2a_gib_per_step": self.a2a_bytes / 2**30,
                         "a2a_model_sec": self.a2a_bytes / (self.config.comm.link_bandwidth_gbps * 1e9),
+                        **({"cp_gib_per_step": self.cp_bytes / 2**30} if self.cp_bytes else {}),
                     })
                     timer, steps_timed = time.perf_counter(), 0
                 preempted = self._preempted_anywhere()

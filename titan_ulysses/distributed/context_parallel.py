@@ -9,10 +9,16 @@ laid out over ``cp x sp`` ranks (cp outer, see ``data/sharding.py``); inside att
    its ``H/sp`` heads;
 2. this module all-gathers K and V over the cp group (one collective, k and v together):
    ``[B, S/cp, Hkv/sp, D] -> [B, S, Hkv/sp, D]``, in the cp ranks' token order;
-3. the local attention runs with the local ``S/cp`` queries against all ``S`` keys, under a
-   boolean mask built from the queries' and keys' *global* token indices (causal, and within
-   documents when a document mask is given), so every query sees exactly the keys it would
-   on one device.
+3. the local attention runs with the local queries against the keys they may see, by their
+   *global* token indices, so every query sees exactly the keys it would on one device:
+
+   * causal (no documents): the gathered K/V are put back in sequence order and each of the
+     rank's two chunks attends to the prefix of the sequence that ends with it, with the
+     causal diagonal aligned bottom-right (``torch.nn.attention.bias.causal_lower_right``,
+     which sdpa runs in its flash / memory-efficient kernels on CUDA without a mask in memory);
+   * packed documents: one call with an explicit boolean mask ``[B, 1, S/cp, S]``, the
+     document mask of the full sequence indexed by the queries' and keys' global indices
+     (dense, so for moderate lengths; see "Backends").
 
 Why all-gather of K/V and not a ring with a log-sum-exp merge: it is exact by construction
 (one softmax over the real keys, no merge of partial results), it is what Llama 3 was trained
@@ -29,8 +35,8 @@ first rank's almost none. ``data.sharding.load_balanced_order`` cuts the sequenc
 chunks and gives rank r chunks r and 2cp-1-r, which evens out the unmasked (q, k) pairs
 (``tests/test_context_parallel.py`` counts them). The mask below is built from that order.
 
-Backends: only ``sdpa`` is implemented; it takes the explicit ``[B or 1, 1, S/cp, S]`` mask
-(dense, fine at moderate lengths). ``flex`` would need a BlockMask whose mask_mod maps local
+Backends: only ``sdpa`` is implemented (causal: two calls with a lower-right causal bias;
+documents: the explicit dense mask). ``flex`` would need a BlockMask whose mask_mod maps local
 query and gathered key indices to global ones through the same order (blocks of the two
 chunks stay mostly full or empty, so it stays sparse); ``flash_attn`` would need two calls per
 rank, one per chunk, each attending causally (bottom-right aligned) to the keys of the global
@@ -47,6 +53,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_ulysses.data.sharding import load_balanced_order
 from titan_ulysses.distributed.ulysses import UlyssesAttention
+from torch.nn.attention.bias import causal_lower_right
+
 from titan_ulysses.ops.attention import SDPAAttention
 
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -105,10 +113,24 @@ class ContextParallelAttention(nn.Module):
         if self.cp == 1:
             return self.local_attention(q, k, v, attention_mask, *args, **kwargs)
         local_len, hkv = k.shape[1], k.shape[2]
-        kv = all_gather_seq(torch.cat([k, v], dim=2), self.group, self.cp)  # [B, S, 2 Hkv, D]
+        kv = all_gather_seq(torch.cat([k, v], dim=2), self.group, self.cp)  # [B, S, 2 Hkv, D], cp ranks' order
+        if attention_mask is not None:  # documents: one call, dense mask by global indices
+            k, v = kv.split(hkv, dim=2)
+            mask = cp_mask(attention_mask, self.cp_rank, self.cp, local_len, q.device)
+            return self.local_attention(q, k, v, mask, *args, **kwargs)
+        # causal: keys back in sequence order; my head chunk r and tail chunk 2cp-1-r each see
+        # the prefix that ends with them, the causal diagonal aligned bottom-right
+        order = load_balanced_order(self.cp * local_len, self.cp, q.device)
+        kv = kv.index_select(1, torch.argsort(order))
         k, v = kv.split(hkv, dim=2)
-        mask = cp_mask(attention_mask, self.cp_rank, self.cp, local_len, q.device)
-        return self.local_attention(q, k, v, mask, *args, **kwargs)
+        chunk = local_len // 2
+        outs = []
+        for i, c in enumerate((self.cp_rank, 2 * self.cp - 1 - self.cp_rank)):
+            end = (c + 1) * chunk
+            outs.append(self.local_attention(
+                q[:, i * chunk:(i + 1) * chunk], k[:, :end], v[:, :end], causal_lower_right(chunk, end), *args, **kwargs
+            ))
+        return torch.cat(outs, dim=1)
 
     def extra_repr(self) -> str:
         return f"cp={self.cp}, cp_rank={self.cp_rank}"
