@@ -9,6 +9,7 @@ replicated for sp, a head count that Ulysses alone cannot split over the same 4 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.attention.bias import causal_lower_right
 
 from dist_utils import assert_close, run_distributed
 from model_harness import build_pair, clean_name, full, small_args
@@ -115,9 +116,13 @@ def _pairs(q_index: torch.Tensor, k_index: torch.Tensor) -> int:
 def test_balanced_order_gives_every_cp_rank_the_same_causal_work(cp):
     s = 64
     local = s // cp
-    # the masks the attention wrapper builds: unmasked (q, k) pairs per cp rank
+    # unmasked (q, k) pairs per cp rank: by global indices (the mask packed documents refine) ...
     balanced = [int(cp_mask(None, r, cp, local, "cpu").sum()) for r in range(cp)]
     assert len(set(balanced)) == 1, balanced
+    # ... and what the causal path scores: each chunk against the prefix ending with it
+    chunk = s // (2 * cp)
+    biases = [[causal_lower_right(chunk, (c + 1) * chunk) for c in (r, 2 * cp - 1 - r)] for r in range(cp)]
+    assert [sum(int(b._materialize().sum()) for b in pair) for pair in biases] == balanced
     assert sum(balanced) == s * (s + 1) // 2  # every causal pair scored once, on one rank
     # a plain contiguous split: the last rank does cp*2-1 times the first rank's work
     keys = torch.arange(s)
@@ -125,7 +130,6 @@ def test_balanced_order_gives_every_cp_rank_the_same_causal_work(cp):
     assert plain == sorted(plain) and plain[-1] > 2 * plain[0], plain
     assert sum(plain) == sum(balanced)
     # the order itself: rank r holds chunks r and 2cp-1-r
-    chunk = s // (2 * cp)
     held = load_balanced_order(s, cp).view(cp, 2, chunk)[:, :, 0] // chunk
     assert held.tolist() == [[r, 2 * cp - 1 - r] for r in range(cp)]
 
