@@ -23,12 +23,14 @@ laid out over ``cp x sp`` ranks (cp outer, see ``data/sharding.py``); inside att
 Why all-gather of K/V and not a ring with a log-sum-exp merge: it is exact by construction
 (one softmax over the real keys, no merge of partial results), it is what Llama 3 was trained
 with and torchtitan's ``KVAllGatherCP*`` does, and it composes with any mask the local
-attention takes -- here an sdpa boolean mask. It costs the full K/V of the cp group in memory
-(``S x Hkv/sp x D`` per layer, small beside the queries under GQA) and exposes its
-communication unless overlapped; a ring would trade that for cp steps of partial attention.
-The all-gather is a functional collective (``all_gather_single_autograd``): its backward is a
-reduce-scatter of the K/V gradients, which sums every rank's contribution into the owner of
-the tokens, and ``torch.compile`` traces it without a graph break.
+attention takes -- here sdpa's causal bias or a boolean mask. It costs the K/V of the whole
+sequence per layer (``S x Hkv/sp x D``, expanded to the q heads where sdpa's kernel does not
+take GQA: fp32, or a dense mask) and exposes its communication unless overlapped; a ring
+would trade that for cp steps of partial attention and a merge. The all-gather is a
+functional collective (``all_gather_single_autograd``): its backward is a reduce-scatter of
+the K/V gradients, which sums every rank's contribution into the owner of the tokens.
+Functional collectives are what ``torch.compile`` traces without a graph break, but this
+module has not been tested under compile yet.
 
 Causal load balance: with a plain split the last cp rank's queries see every key and the
 first rank's almost none. ``data.sharding.load_balanced_order`` cuts the sequence into 2cp
@@ -50,11 +52,10 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
 
 from titan_ulysses.data.sharding import load_balanced_order
 from titan_ulysses.distributed.ulysses import UlyssesAttention
-from torch.nn.attention.bias import causal_lower_right
-
 from titan_ulysses.ops.attention import SDPAAttention
 
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
