@@ -195,7 +195,8 @@ def test_cp_refuses_backends_it_does_not_implement():
 
 
 def test_trainer_runs_context_parallel_through_torchrun(tmp_path):
-    """``--parallelism.context_parallel_degree 2`` end to end (torchrun, 2 ranks) follows one process's losses."""
+    """A run written at ulysses_degree 2 resumes through torchrun at ``--parallelism.context_parallel_degree 2``
+    and its step equals one process's (weights, optimizer and data position carried across layouts)."""
     import json
     import os
     import subprocess
@@ -204,20 +205,23 @@ def test_trainer_runs_context_parallel_through_torchrun(tmp_path):
     from test_trainer import BASE, layout, losses, run
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    steps = ["--training.steps", "3"]
-    ref = losses(run(1, steps + layout(), tmp_path, "single"))
-    folder = tmp_path / "cp2"
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "100"]
+    ref = losses(run(1, ["--training.steps", "3"] + layout(), tmp_path, "single"))
+    first = losses(run(2, ["--training.steps", "2"] + ckpt + layout(sp=2), tmp_path, "resumed"))
+    folder = tmp_path / "resumed"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
-         *BASE, *steps, *layout(), "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(folder)],
+         *BASE, "--training.steps", "3", *ckpt, *layout(), "--parallelism.context_parallel_degree", "2",
+         "--job.dump_folder", str(folder)],
         cwd=root, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "'cp': 2" in proc.stdout
+    assert "'cp': 2" in proc.stdout and "starting at step 2" in proc.stdout
     with open(folder / "metrics.jsonl") as f:
-        cp2 = losses([json.loads(line) for line in f])
+        resumed = losses([json.loads(line) for line in f])
     for s in range(1, 4):
-        assert cp2[s] == pytest.approx(ref[s], rel=1e-5), f"step {s}: {cp2[s]} vs {ref[s]}"
+        got = first[s] if s < 3 else resumed[s]
+        assert got == pytest.approx(ref[s], rel=1e-5), f"step {s}: {got} vs {ref[s]}"
 
 
 def test_estimator_and_comm_model_know_cp():
