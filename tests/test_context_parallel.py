@@ -4,6 +4,8 @@ Each layout case checks this rank's logits (mapped back through the load-balance
 the loss, every parameter gradient and the parameters after AdamW steps (fp32, rtol 1e-5),
 with S = 13 (every case pads) and GQA (8 q heads with 2 kv heads; 6 q heads with 1 kv head,
 replicated for sp, a head count that Ulysses alone cannot split over the same 4 ranks).
+Layouts: cp4, cp2 with packed documents (the dense-mask path), cp2 x sp2, dp_shard2 x cp2,
+cp2 x tp2. Not covered here: activation checkpointing and torch.compile with cp.
 """
 
 import pytest
@@ -94,11 +96,12 @@ def _compare(layout: dict, overrides: dict, packed: bool):
 
 CASES = {
     # id: (world size, layout, model overrides, packed documents)
-    "cp2": (2, dict(cp=2), {}, False),
+    "cp4": (4, dict(cp=4), {}, False),  # 8 chunks: ranks hold (0, 7), (1, 6), (2, 5), (3, 4)
     "cp2-packed-documents": (2, dict(cp=2), {}, True),
     # 6 heads: Ulysses cannot split them over 4 ranks (refused, naming 2 x 2), cp x sp can; 1 kv head replicated for sp
     "cp2-sp2-6heads-kv-replicated": (4, dict(cp=2, sp=2), dict(dim=48, n_heads=6, n_kv_heads=1), False),
     "dp_shard2-cp2": (4, dict(dp_shard=2, cp=2), {}, False),
+    "cp2-tp2": (4, dict(cp=2, tp=2), {}, False),
 }
 
 
