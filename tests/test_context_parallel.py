@@ -4,8 +4,9 @@ Each layout case checks this rank's logits (mapped back through the load-balance
 the loss, every parameter gradient and the parameters after AdamW steps (fp32, rtol 1e-5),
 with S = 13 (every case pads) and GQA (8 q heads with 2 kv heads; 6 q heads with 1 kv head,
 replicated for sp, a head count that Ulysses alone cannot split over the same 4 ranks).
-Layouts: cp4, cp2 with packed documents (the dense-mask path), cp2 x sp2, dp_shard2 x cp2,
-cp2 x tp2. Not covered here: activation checkpointing and torch.compile with cp.
+Layouts: cp4, cp2 with packed documents (the dense-mask path) and full activation
+checkpointing, cp2 x sp2, dp_shard2 x cp2 with full checkpointing, cp2 x tp2. Not covered
+here: torch.compile with cp; selective checkpointing with cp is refused (see below).
 """
 
 import pytest
@@ -46,11 +47,11 @@ def _batch(step: int, vocab: int, packed: bool):
     return inputs, labels, docs, index - first  # positions restart in every document
 
 
-def _compare(layout: dict, overrides: dict, packed: bool):
+def _compare(layout: dict, overrides: dict, packed: bool, ac_mode: str = "none"):
     pd = ParallelDims(**layout, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
     args = small_args(**overrides)
-    ref, model = build_pair(args, pd, ParallelizeOptions(param_dtype=torch.float32))
+    ref, model = build_pair(args, pd, ParallelizeOptions(param_dtype=torch.float32, ac_mode=ac_mode))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, foreach=False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
     ref_params = dict(ref.named_parameters())
@@ -97,18 +98,18 @@ def _compare(layout: dict, overrides: dict, packed: bool):
 CASES = {
     # id: (world size, layout, model overrides, packed documents)
     "cp4": (4, dict(cp=4), {}, False),  # 8 chunks: ranks hold (0, 7), (1, 6), (2, 5), (3, 4)
-    "cp2-packed-documents": (2, dict(cp=2), {}, True),
+    "cp2-packed-documents-ac-full": (2, dict(cp=2), {}, True, "full"),  # the all-gather recomputed in backward
     # 6 heads: Ulysses cannot split them over 4 ranks (refused, naming 2 x 2), cp x sp can; 1 kv head replicated for sp
     "cp2-sp2-6heads-kv-replicated": (4, dict(cp=2, sp=2), dict(dim=48, n_heads=6, n_kv_heads=1), False),
-    "dp_shard2-cp2": (4, dict(dp_shard=2, cp=2), {}, False),
+    "dp_shard2-cp2-ac-full": (4, dict(dp_shard=2, cp=2), {}, False, "full"),
     "cp2-tp2": (4, dict(cp=2, tp=2), {}, False),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_cp_layout_matches_single_process(case):
-    world, layout, overrides, packed = CASES[case]
-    run_distributed(_compare, world, layout, overrides, packed)
+    world, layout, overrides, packed, *ac_mode = CASES[case]
+    run_distributed(_compare, world, layout, overrides, packed, *ac_mode)
 
 
 def _pairs(q_index: torch.Tensor, k_index: torch.Tensor) -> int:
@@ -160,6 +161,9 @@ def test_cp_refusals_name_the_settings():
         validate(load_config(base + ["--parallelism.data_parallel_shard_degree", "1"]), 8)
     with pytest.raises(ConfigError, match=r"context_parallel_degree 2 is implemented for model.attn_backend 'sdpa' only"):
         validate(load_config(base + ["--model.attn_backend", "flex"]), 4)
+    with pytest.raises(ConfigError, match=r"activation_checkpoint.mode 'selective' does not work with "
+                                          r"parallelism.context_parallel_degree 2"):
+        validate(load_config(base + ["--activation_checkpoint.mode", "selective"]), 4)
     pd = validate(load_config(base), 8)
     assert pd.degrees == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "sp": 2, "tp": 1}
     assert pd.size("fsdp_shard") == 8 and pd.size("dp_shard_sp") == 8 and pd.size("loss") == 8
