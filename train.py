@@ -56,6 +56,11 @@ if __name__ == "__main__":
 
     code = main(sys.argv[1:])
     if dist.is_initialized():
+        if code == 0:
+            # tear down together: a rank that destroys its gloo groups while a peer still talks
+            # to it aborts ("terminate called without an active exception"), seen at the end of
+            # resumed runs under load (as tests/dist_utils.py does for spawned ranks)
+            dist.barrier()
         dist.destroy_process_group()
     # Leave without interpreter and C++ static teardown: a gloo thread still joinable there
     # aborts the process now and then ("terminate called without an active exception",

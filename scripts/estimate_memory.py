@@ -102,6 +102,9 @@ def main(argv=None) -> int:
               "seq_len": t.seq_len, "local_batch_size": t.local_batch_size, "switches": dataclasses.asdict(switches),
               "bytes": est.as_dict(), "largest_seq_len": longest,
               "recommendation": None if rec is None else {"ulysses_degree": rec[0], "overrides": rec[1],
+                                                          "context_parallel_degree": next(
+                                                              (int(f.split()[1]) for f in rec[1]
+                                                               if f.startswith("--parallelism.context_parallel_degree")), 1),
                                                           "total_gib": rec[2].total / GIB}}
     if a.validate:
         import torch
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=1))
         return 0
     print(f"{a.config}: {args.num_params() / 1e9:.2f}B params, seq_len {t.seq_len} x local batch {t.local_batch_size}, "
-          f"world {a.world_size} = dp_shard {layout.dp_shard} x sp {layout.sp} x tp {layout.tp}, "
+          f"world {a.world_size} = dp_shard {layout.dp_shard} x cp {layout.cp} x sp {layout.sp} x tp {layout.tp}, "
           f"AC {switches.ac_mode}, loss chunk {switches.loss_chunk_size}, MLP tile {switches.mlp_tile_size}, "
           f"{'bf16' if switches.act_bytes == 2 else 'fp32'} compute")
     for key, value in est.as_dict().items():

@@ -69,12 +69,16 @@ def reference_step(ref: Transformer, inputs, labels, microbatches: int = 1):
 
 
 def parallel_step(model, pd: ParallelDims, inputs, labels, microbatches: int = 1):
-    """This rank's share of the global batch, sharded over dp then sp; returns (global loss, logits)."""
+    """This rank's share of the global batch, sharded over dp then cp x sp; returns (global loss, logits).
+
+    Logits are in this rank's token order (``shard_batch(...).index``: load-balanced with cp).
+    """
     dp, dp_rank = pd.get_mesh("dp").size(), pd.get_mesh("dp").get_local_rank()
     sp, sp_rank = pd.get_mesh("sp").size(), pd.get_mesh("sp").get_local_rank()
+    cp, cp_rank = pd.get_mesh("cp").size(), pd.get_mesh("cp").get_local_rank()
     local_in, local_lab = inputs.chunk(dp)[dp_rank], labels.chunk(dp)[dp_rank]
     mbs = [
-        shard_batch(i, lab, sp_rank, sp)
+        shard_batch(i, lab, sp_rank, sp, cp_rank=cp_rank, cp=cp)
         for i, lab in zip(local_in.chunk(microbatches), local_lab.chunk(microbatches))
     ]
     n_tokens = global_token_count([mb.labels for mb in mbs], pd.get_mesh("loss"))

@@ -18,11 +18,11 @@ def test_defaults_and_toml_and_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("name,world,degrees", [
-    ("debug_model", 2, {"dp_replicate": 1, "dp_shard": 1, "sp": 2, "tp": 1}),
-    ("needle_demo", 2, {"dp_replicate": 1, "dp_shard": 1, "sp": 2, "tp": 1}),
-    ("llama3_8b_128k", 8, {"dp_replicate": 1, "dp_shard": 1, "sp": 8, "tp": 1}),
-    ("llama3_8b_512k", 32, {"dp_replicate": 1, "dp_shard": 4, "sp": 8, "tp": 1}),
-    ("llama3_1b_long", 8, {"dp_replicate": 1, "dp_shard": 1, "sp": 8, "tp": 1}),
+    ("debug_model", 2, {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "sp": 2, "tp": 1}),
+    ("needle_demo", 2, {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "sp": 2, "tp": 1}),
+    ("llama3_8b_128k", 8, {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "sp": 8, "tp": 1}),
+    ("llama3_8b_512k", 32, {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "sp": 8, "tp": 1}),
+    ("llama3_1b_long", 8, {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "sp": 8, "tp": 1}),
 ])
 def test_the_shipped_configs_load_and_validate(name, world, degrees):
     c = load_config(["--config", f"train_configs/{name}.toml"])

@@ -52,4 +52,4 @@ def test_fake_mode_refusals(argv, world, message):
 
 def test_fake_mode_checks_the_simulated_layout():
     c = load_config(["--comm.mode", "fake", "--comm.fake_world_size", "32", "--parallelism.ulysses_degree", "8"])
-    assert validate(c, 1).degrees == {"dp_replicate": 1, "dp_shard": 4, "sp": 8, "tp": 1}
+    assert validate(c, 1).degrees == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "sp": 8, "tp": 1}

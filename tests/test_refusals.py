@@ -11,7 +11,7 @@ from titan_ulysses.ops.attention import build_attention
 
 
 def test_degrees_must_multiply_to_world_size():
-    with pytest.raises(ValueError, match=r"data_parallel_shard_degree 2 x ulysses_degree 2 .* = 4, but the world size is 8"):
+    with pytest.raises(ValueError, match=r"^data_parallel_shard_degree 2 x ulysses_degree 2 = 4, but the world size is 8"):
         ParallelDims(dp_shard=2, sp=2, world_size=8)
     with pytest.raises(ValueError, match=r"world size 6 is not divisible by .*ulysses_degree.* = 4"):
         ParallelDims(sp=4, world_size=6)
@@ -21,7 +21,7 @@ def test_degrees_must_multiply_to_world_size():
 
 def test_dp_shard_fills_the_rest():
     pd = ParallelDims(dp_replicate=2, sp=2, tp=2, world_size=16)
-    assert pd.degrees == {"dp_replicate": 2, "dp_shard": 2, "sp": 2, "tp": 2}
+    assert pd.degrees == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "sp": 2, "tp": 2}
     assert pd.size("dp_shard_sp") == 4 and pd.size("loss") == 8 and pd.size("dp") == 4
     assert ParallelDims(sp=2, world_size=2).fsdp_enabled  # sp alone still needs gradient reduction
     assert not ParallelDims(tp=2, world_size=2).fsdp_enabled

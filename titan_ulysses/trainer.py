@@ -32,7 +32,7 @@ from titan_ulysses.distributed.float8 import precompute_float8_scales
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, global_token_count, load_full_state_dict
 from titan_ulysses.distributed.watchdog import exit_with_launcher, set_timeouts
-from titan_ulysses.metrics.comm import ulysses_bytes_per_step
+from titan_ulysses.metrics.comm import context_parallel_bytes_per_step, ulysses_bytes_per_step
 from titan_ulysses.metrics.flops import flops_per_token, peak_flops
 from titan_ulysses.metrics.logger import MetricsLogger, max_memory_gib
 from titan_ulysses.models.hf_config import describe, load_hf_args
@@ -231,9 +231,12 @@ class Trainer:
         if config.validation.enable:
             self.validator = Validator(self.data, self.model, pd, self.device, self.args.attn_backend,
                                        self.tokenizer.pad_id, self.accumulation_steps, config.validation.steps)
+        comm_args = (torch.finfo(options.param_dtype).bits // 8, options.ac_mode in ("full", "full_offload"))
         self.a2a_bytes = ulysses_bytes_per_step(
-            self.args, t.seq_len, self.global_batch_size // pd.size("dp"), pd.sp, pd.tp,
-            torch.finfo(options.param_dtype).bits // 8, options.ac_mode in ("full", "full_offload"),
+            self.args, t.seq_len, self.global_batch_size // pd.size("dp"), pd.sp, pd.tp, *comm_args, cp=pd.cp,
+        )
+        self.cp_bytes = context_parallel_bytes_per_step(
+            self.args, t.seq_len, self.global_batch_size // pd.size("dp"), pd.cp, pd.sp, pd.tp, *comm_args,
         )
         self._preempted = False
         if self.rank == 0:
@@ -273,13 +276,13 @@ class Trainer:
 
     def _microbatches(self, data_iter, stats: torch.Tensor):
         """This rank's microbatches of one step; ``stats`` += [padding tokens, tokens, truncated samples]."""
-        sp_mesh = self.parallel_dims.get_mesh("sp")
+        sp_mesh, cp_mesh = self.parallel_dims.get_mesh("sp"), self.parallel_dims.get_mesh("cp")
         for _ in range(self.accumulation_steps):
             batch = next(data_iter)
             stats += torch.tensor([float((batch["document_ids"] == -1).sum()), float(batch["input"].numel()),
                                    float(batch["truncated"].sum()) if "truncated" in batch else 0.0])
             yield shard_loader_batch(batch, sp_mesh.get_local_rank(), sp_mesh.size(), self.device,
-                                     self.use_doc_mask, self.tokenizer.pad_id)
+                                     self.use_doc_mask, self.tokenizer.pad_id, cp_mesh.get_local_rank(), cp_mesh.size())
 
     def train_step(self, data_iter) -> dict:
         pd = self.parallel_dims
@@ -367,6 +370,7 @@ class Trainer:
                         "mfu": mfu, "max_memory_gib": max_memory_gib(self.device),
                         "a2a_gib_per_step": self.a2a_bytes / 2**30,
                         "a2a_model_sec": self.a2a_bytes / (self.config.comm.link_bandwidth_gbps * 1e9),
+                        **({"cp_gib_per_step": self.cp_bytes / 2**30} if self.cp_bytes else {}),
                     })
                     timer, steps_timed = time.perf_counter(), 0
                 if self.validator is not None and (self.step % self.config.validation.freq == 0 or self.step == t.steps):

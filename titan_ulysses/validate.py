@@ -34,13 +34,13 @@ class Validator:
 
     @torch.no_grad()
     def run(self) -> dict:
-        sp_mesh, loss_mesh = self.pd.get_mesh("sp"), self.pd.get_mesh("loss")
+        sp_mesh, cp_mesh, loss_mesh = self.pd.get_mesh("sp"), self.pd.get_mesh("cp"), self.pd.get_mesh("loss")
         it = iter(self.data.validation_loader())
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         for _ in range(self.microbatches):
             mb = shard_loader_batch(next(it), sp_mesh.get_local_rank(), sp_mesh.size(), self.device,
-                                    self.packed, self.pad_id)
+                                    self.packed, self.pad_id, cp_mesh.get_local_rank(), cp_mesh.size())
             mask = build_attention_mask(self.attn_backend, mb.document_ids)
             total += self.model(mb.tokens, positions=mb.positions, attention_mask=mask, labels=mb.labels).double()
             tokens += (mb.labels != IGNORE_INDEX).sum()

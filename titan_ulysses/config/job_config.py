@@ -48,6 +48,11 @@ class Parallelism:
     """HSDP replicas (gradients all-reduced across them)."""
     data_parallel_shard_degree: int = -1
     """FSDP shard degree; -1 takes the ranks the other degrees leave."""
+    context_parallel_degree: int = 1
+    """Ranks each sequence is also split over by context parallelism (torchtitan's name), outside
+    ulysses_degree: attention all-gathers K and V over them, so the head count does not cap it.
+    Each rank holds a head and a tail chunk of the sequence (causal load balance); seq_len must
+    divide by 2 x context_parallel_degree x ulysses_degree. attn_backend 'sdpa' only."""
     ulysses_degree: int = 1
     """Ranks each sequence is split over (Ulysses sequence parallelism)."""
     tensor_parallel_degree: int = 1
@@ -82,7 +87,7 @@ class Training:
     heads, which a small model forms only after far more tokens than a CPU run sees; one digit is
     found by a single content-matching head (docs/guide.md, section 4)."""
     seq_len: int = 2048
-    """Tokens per sample; must divide by ulysses_degree."""
+    """Tokens per sample; must divide by ulysses_degree (by 2 x context_parallel_degree x ulysses_degree with cp)."""
     local_batch_size: int = 1
     """Samples per microbatch on one data-parallel rank."""
     global_batch_size: int = -1

@@ -148,7 +148,7 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     try:
         dims = ParallelDims(
             dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            sp=p.ulysses_degree, tp=p.tensor_parallel_degree, world_size=world_size,
+            cp=p.context_parallel_degree, sp=p.ulysses_degree, tp=p.tensor_parallel_degree, world_size=world_size,
         )
     except ValueError as e:
         raise ConfigError(f"parallelism: {e}") from e
@@ -156,13 +156,23 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     source = f"model.hf_assets_path {config.model.hf_assets_path!r}" if config.model.hf_assets_path else (
         f"model.flavor {config.model.flavor!r}")
     try:
-        check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp)
+        check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp, dims.cp)
     except ValueError as e:
         raise ConfigError(f"parallelism.ulysses_degree / tensor_parallel_degree: {e} ({source})") from e
     try:
-        check_seq_len(t.seq_len, dims.sp)
+        check_seq_len(t.seq_len, dims.sp, dims.cp)
     except ValueError as e:
         raise ConfigError(f"training.seq_len: {e}") from e
+    if dims.cp > 1 and config.model.attn_backend != "sdpa":
+        raise ConfigError(
+            f"parallelism.context_parallel_degree {dims.cp} is implemented for model.attn_backend 'sdpa' only, "
+            f"not {config.model.attn_backend!r}; use 'sdpa' (or context_parallel_degree 1)"
+        )
+    if dims.cp > 1 and config.activation_checkpoint.mode == "selective":
+        raise ConfigError(
+            f"activation_checkpoint.mode 'selective' does not work with parallelism.context_parallel_degree {dims.cp} "
+            f"(its dispatch mode cannot handle sdpa's causal-bias tensor); use 'full' or 'full_offload'"
+        )
     dp = dims.size("dp")
     gbs = resolved_global_batch_size(config, dp)
     if gbs <= 0 or gbs % (t.local_batch_size * dp):

@@ -1,7 +1,7 @@
-"""FSDP2 over dp_shard x sp (HSDP when dp_replicate > 1).
+"""FSDP2 over dp_shard x cp x sp (HSDP when dp_replicate > 1).
 
-Sequence-parallel ranks hold the same parameters but see different tokens, so the sp
-dimension is part of the FSDP mesh: parameters, gradients and optimizer state are
+Sequence-parallel (sp and cp) ranks hold the same parameters but see different tokens, so
+those dimensions are part of the FSDP mesh: parameters, gradients and optimizer state are
 sharded over it and gradients are reduced over it -- also when there is no data
 parallelism at all.
 
@@ -28,8 +28,8 @@ def apply_fsdp(
 ) -> None:
     """Shard each block, then the root (embeddings, final norm, output).
 
-    ``dp_mesh`` is ``ParallelDims.get_mesh("fsdp")``: dp_shard x sp flattened, or for HSDP
-    the 2-D (dp_replicate, dp_shard x sp) mesh.
+    ``dp_mesh`` is ``ParallelDims.get_mesh("fsdp")``: dp_shard x cp x sp flattened, or for HSDP
+    the 2-D (dp_replicate, dp_shard x cp x sp) mesh.
     """
     kwargs = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     if cpu_offload:

@@ -2,25 +2,35 @@
 
 Mesh dimensions, outermost to innermost (innermost wants the fastest links)::
 
-    dp_replicate  x  dp_shard  x  sp  x  tp
+    dp_replicate  x  dp_shard  x  cp  x  sp  x  tp
 
-Flattened meshes derived from them:
+``cp`` (context parallelism, all-gather of K/V) sits outside ``sp`` so that Ulysses'
+all-to-all stays on the fastest links (inside a node) and cp's all-gather crosses nodes,
+as in USP / Megatron's ``a2a+p2p``.
 
-* ``dp``           (dp_replicate, dp_shard)     -- data loading: ranks of one sp x tp group load the same sample
-* ``dp_shard_sp``  (dp_shard, sp)               -- FSDP2 shards parameters over this (HSDP adds dp_replicate)
-* ``loss``         (dp_replicate, dp_shard, sp) -- token counts and losses are summed over this
+Flattened meshes derived from them, named by what they are for:
+
+* ``dp``          (dp_replicate, dp_shard)             -- data loading: ranks of one cp x sp x tp group load the same sample
+* ``seq``         (cp, sp)                             -- the ranks one sequence is split over (cp outer)
+* ``fsdp_shard``  (dp_shard, cp, sp)                   -- FSDP2 shards parameters over this (HSDP adds dp_replicate)
+* ``loss``        (dp_replicate, dp_shard, cp, sp)     -- token counts and losses are summed over this
+
+(``dp_shard_sp``, the name ``fsdp_shard`` had before ``cp`` existed, still answers.)
 
 Every dimension is always present in the mesh (size 1 when unused), so code can
 ask for ``mesh["sp"]`` without checking whether SP is on.
 
-Adding a dimension (say a ring-attention ``cp`` beside ``sp``) is three edits here
-and one ``apply_*`` function elsewhere:
+Adding a dimension is three edits here and one ``apply_*`` function elsewhere
+(``cp`` was added exactly so; docs/guide.md, "Adding a mesh dimension", walks through it):
 
-1. add a degree field below, with a docstring;
+1. add a degree field below, with a docstring, and its config name in ``SETTING_NAMES``;
 2. insert its name in ``MESH_DIMS`` at its place in the order;
-3. add it to the flattened groups of ``FLATTENED`` that must span it (FSDP and
-   loss reductions usually do);
-then write ``apply_cp(model, mesh["cp"])`` and call it from ``parallelize_llama``.
+3. add it to the groups of ``FLATTENED`` that must span it (FSDP and loss reductions usually
+   do; data loading does not when its ranks share a sample);
+then write ``apply_x(model, mesh["x"])`` and call it from ``parallelize_llama``.
+Range checks, the world-size check and its message, ``size``, ``build_mesh`` and the HSDP
+mesh are generic over ``MESH_DIMS`` / ``FLATTENED``; groups are named by role, not by the
+dimensions they span, so that no caller has to be renamed when a dimension joins a group.
 No process group is created until :meth:`ParallelDims.build_mesh`.
 """
 
@@ -31,21 +41,29 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "sp", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
 
 FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
-    "dp_shard_sp": ("dp_shard", "sp"),
-    "loss": ("dp_replicate", "dp_shard", "sp"),
+    "seq": ("cp", "sp"),
+    "fsdp_shard": ("dp_shard", "cp", "sp"),
+    "loss": ("dp_replicate", "dp_shard", "cp", "sp"),
 }
+
+# Earlier names of flattened groups, kept for callers written before a dimension joined them.
+ALIASES = {"dp_shard_sp": "fsdp_shard"}
 
 # Config names of each mesh dimension's degree, used in error messages.
 SETTING_NAMES = {
     "dp_replicate": "data_parallel_replicate_degree",
     "dp_shard": "data_parallel_shard_degree",
+    "cp": "context_parallel_degree",
     "sp": "ulysses_degree",
     "tp": "tensor_parallel_degree",
 }
+
+# The one degree that may be -1 ("the ranks the others leave").
+FILL_DIM = "dp_shard"
 
 
 @dataclass
@@ -54,6 +72,9 @@ class ParallelDims:
     """Replicas of the whole model (HSDP's replicate dimension); gradients all-reduced."""
     dp_shard: int = -1
     """FSDP shard degree; -1 takes whatever the other degrees leave of the world size."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is also split over this many ranks (outside sp);
+    attention all-gathers K and V over them (``distributed/context_parallel.py``)."""
     sp: int = 1
     """Ulysses sequence-parallel degree: each sequence is split over this many ranks."""
     tp: int = 1
@@ -64,30 +85,32 @@ class ParallelDims:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size {self.world_size} must be >= 1")
-        for dim in ("dp_replicate", "sp", "tp"):
+        fixed = [d for d in MESH_DIMS if d != FILL_DIM]
+        for dim in fixed:
             if getattr(self, dim) < 1:
                 raise ValueError(f"{SETTING_NAMES[dim]} {getattr(self, dim)} must be >= 1")
-        others = self.dp_replicate * self.sp * self.tp
-        if self.dp_shard == -1:
+        others = math.prod(getattr(self, d) for d in fixed)
+        if getattr(self, FILL_DIM) == -1:
             if self.world_size % others != 0:
+                names = " x ".join(SETTING_NAMES[d] for d in fixed)
+                values = " x ".join(str(getattr(self, d)) for d in fixed)
                 raise ValueError(
-                    f"world size {self.world_size} is not divisible by "
-                    f"{SETTING_NAMES['dp_replicate']} x {SETTING_NAMES['sp']} x {SETTING_NAMES['tp']} = "
-                    f"{self.dp_replicate} x {self.sp} x {self.tp} = {others}; "
+                    f"world size {self.world_size} is not divisible by {names} = {values} = {others}; "
                     f"choose degrees whose product divides {self.world_size}"
                 )
-            self.dp_shard = self.world_size // others
-        if self.dp_shard < 1:
+            setattr(self, FILL_DIM, self.world_size // others)
+        if getattr(self, FILL_DIM) < 1:
             raise ValueError(
-                f"{SETTING_NAMES['dp_shard']} {self.dp_shard} must be >= 1, or -1 to use the remaining ranks"
+                f"{SETTING_NAMES[FILL_DIM]} {getattr(self, FILL_DIM)} must be >= 1, or -1 to use the remaining ranks"
             )
         product = math.prod(self.degrees.values())
         if product != self.world_size:
-            terms = " x ".join(f"{SETTING_NAMES[d]} {n}" for d, n in self.degrees.items())
+            # the degrees that are set (1 is the default of every one but the fill dimension)
+            terms = " x ".join(f"{SETTING_NAMES[d]} {n}" for d, n in self.degrees.items() if n != 1 or d == FILL_DIM)
             raise ValueError(
                 f"{terms} = {product}, but the world size is {self.world_size}; "
                 f"the degrees must multiply to the number of processes "
-                f"(set {SETTING_NAMES['dp_shard']} = -1 to fill the rest automatically)"
+                f"(set {SETTING_NAMES[FILL_DIM]} = -1 to fill the rest automatically)"
             )
 
     @property
@@ -96,6 +119,7 @@ class ParallelDims:
 
     def size(self, flat_name: str) -> int:
         """Size of a mesh dimension or of a flattened mesh, without building anything."""
+        flat_name = ALIASES.get(flat_name, flat_name)
         if flat_name in FLATTENED:
             return math.prod(getattr(self, d) for d in FLATTENED[flat_name])
         return getattr(self, flat_name)
@@ -103,6 +127,10 @@ class ParallelDims:
     @property
     def sp_enabled(self) -> bool:
         return self.sp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -125,17 +153,19 @@ class ParallelDims:
         for flat_name, dims in FLATTENED.items():
             meshes[flat_name] = root[dims]._flatten(flat_name)
         if self.dp_replicate > 1:
-            # HSDP: replicate over dp_replicate, shard over dp_shard x sp (2-D, replicate outermost)
+            # HSDP: replicate over dp_replicate, shard over fsdp_shard (2-D, replicate outermost)
             meshes["fsdp"] = meshes["loss"]._unflatten(
-                0, (self.dp_replicate, self.size("dp_shard_sp")), ("hsdp_replicate", "hsdp_shard")
+                0, (self.dp_replicate, self.size("fsdp_shard")), ("hsdp_replicate", "hsdp_shard")
             )
         else:
-            meshes["fsdp"] = meshes["dp_shard_sp"]
+            meshes["fsdp"] = meshes["fsdp_shard"]
+        for old, new in ALIASES.items():
+            meshes[old] = meshes[new]
         self._meshes = meshes
         return root
 
     def get_mesh(self, name: str) -> DeviceMesh:
-        """A mesh dimension (``sp``), a flattened mesh (``dp``, ``dp_shard_sp``, ``loss``) or ``fsdp``."""
+        """A mesh dimension (``sp``), a flattened mesh (``dp``, ``seq``, ``fsdp_shard``, ``loss``) or ``fsdp``."""
         meshes = getattr(self, "_meshes", None)
         if meshes is None:
             raise RuntimeError("ParallelDims.build_mesh(device_type) must be called before get_mesh")

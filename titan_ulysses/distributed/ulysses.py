@@ -45,10 +45,13 @@ def kv_replication_factor(n_heads: int, n_kv_heads: int, sp: int) -> int:
     )
 
 
-def check_heads(n_heads: int, n_kv_heads: int, sp: int, tp: int) -> None:
+def check_heads(n_heads: int, n_kv_heads: int, sp: int, tp: int, cp: int = 1) -> None:
     """Refuse head/degree combinations that cannot be laid out, naming the degrees that work.
 
-    Pure arithmetic: call it before any process group exists.
+    Besides the Ulysses and tensor-parallel degrees that work, the message names the splits
+    ``ulysses_degree x context_parallel_degree`` that keep the sequence over as many ranks
+    (``sp x cp``): context parallelism does not split heads, so it takes over what the head
+    count refuses Ulysses. Pure arithmetic: call it before any process group exists.
     """
 
     def works(s: int, t: int) -> bool:
@@ -76,6 +79,11 @@ def check_heads(n_heads: int, n_kv_heads: int, sp: int, tp: int) -> None:
     hint = f"with tensor_parallel_degree {tp}, ulysses_degree can be one of {good_sp}"
     if good_tp:
         hint += f"; with ulysses_degree {sp}, tensor_parallel_degree can be one of {good_tp}"
+    ranks = sp * cp  # ranks per sequence; the splits of it that the heads allow, most Ulysses first
+    splits = [(s, ranks // s) for s in reversed(_divisors(ranks)) if works(s, tp) and s < ranks]
+    if splits:
+        hint += (f"; to split each sequence over {ranks} ranks, use ulysses_degree x context_parallel_degree = "
+                 + ", ".join(f"{s} x {c}" for s, c in splits))
     raise ValueError(f"{reason[0]}; {hint}")
 
 

@@ -5,7 +5,7 @@ The loss convention that makes every layout equal to one device:
     loss_rank = sum of this rank's token losses / number of loss tokens in the whole global batch
 
 where "whole global batch" spans every microbatch of the step and every rank of the
-``loss`` mesh (dp_replicate x dp_shard x sp). Summing ``loss_rank`` over ranks gives the
+``loss`` mesh (dp_replicate x dp_shard x cp x sp). Summing ``loss_rank`` over ranks gives the
 global mean, and so does summing its gradients -- which is what FSDP is set to do
 (``set_gradient_divide_factor(1.0)``). Normalising by a per-rank or per-microbatch count
 instead is the classic bug that makes loss drift with the SP degree or with accumulation.

@@ -1,4 +1,4 @@
-"""A model of Ulysses all-to-all traffic per rank, for reporting communication time apart
+"""A model of Ulysses all-to-all (and context-parallel all-gather) traffic per rank, for reporting communication time apart
 from measured compute (fake-process-group simulation, see docs/simulation.md)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from titan_ulysses.models.llama.args import LlamaArgs
 
 
 def ulysses_bytes_per_step(args: LlamaArgs, seq_len: int, tokens_batch: int, sp: int, tp: int,
-                           dtype_bytes: int, recompute_forward: bool) -> float:
+                           dtype_bytes: int, recompute_forward: bool, cp: int = 1) -> float:
     """Bytes one rank sends over the sp group's links in one optimizer step.
 
     ``tokens_batch`` is the number of sequences this rank processes per step (all
@@ -20,8 +20,26 @@ def ulysses_bytes_per_step(args: LlamaArgs, seq_len: int, tokens_batch: int, sp:
         return 0.0
     hq, hkv = args.n_heads // tp, args.n_kv_heads // tp
     hkv *= kv_replication_factor(hq, hkv, sp)
-    local_tokens = tokens_batch * seq_len / sp
+    local_tokens = tokens_batch * seq_len / (sp * cp)
     per_exchange = local_tokens * args.head_dim * dtype_bytes * (sp - 1) / sp
     forward = per_exchange * (hq + 2 * hkv) + per_exchange * hq
     passes = 3 if recompute_forward else 2  # forward, backward (+ recomputed forward)
     return args.n_layers * forward * passes
+
+
+def context_parallel_bytes_per_step(args: LlamaArgs, seq_len: int, tokens_batch: int, cp: int, sp: int, tp: int,
+                                    dtype_bytes: int, recompute_forward: bool) -> float:
+    """Bytes one rank sends over the cp group's links in one optimizer step.
+
+    Per layer, the forward all-gathers K and V: after Ulysses' exchange a rank holds
+    ``S / cp`` tokens of ``r x Hkv / sp`` kv heads (r: Ulysses' kv replication), and a ring
+    all-gather sends ``cp - 1`` such blocks. The backward reduce-scatters the K/V gradients
+    (the same volume); full activation checkpointing repeats the forward gather.
+    """
+    if cp == 1:
+        return 0.0
+    hq, hkv = args.n_heads // tp, args.n_kv_heads // tp
+    hkv *= kv_replication_factor(hq, hkv, sp)
+    local_kv = tokens_batch * seq_len / cp * 2 * (hkv / sp) * args.head_dim * dtype_bytes
+    passes = 3 if recompute_forward else 2
+    return args.n_layers * (cp - 1) * local_kv * passes

@@ -1,6 +1,6 @@
 """Per-device memory of a training step, from the config alone (pure arithmetic).
 
-Notation, per rank: T = B x S / sp local tokens; a = bytes of an activation (the FSDP
+Notation, per rank: T = B x S / (cp x sp) local tokens; a = bytes of an activation (the FSDP
 compute dtype: 2 for bf16, 4 for fp32); D model dim; q = Hq x Dh / tp and kv = Hkv x Dh / tp
 the local q and kv widths; r the kv replication factor of Ulysses; F = ffn_hidden / tp;
 V vocabulary; N layers.
@@ -34,6 +34,14 @@ CPU offload moves the sharded parameters, gradients and optimizer state to host 
 Not modelled: the CUDA context and NCCL buffers (about 1-3 GiB on an H100), allocator
 fragmentation, torch.compile's workspace. ``scripts/estimate_memory.py --validate``
 compares the estimate with a measured step.
+
+Context parallelism (cp > 1, ``distributed/context_parallel.py``) adds, per layer, the keys and
+values each of a rank's two chunks attends to: the prefixes of the gathered K/V that end with
+the chunk, ``(2cp + 1) / 2cp`` of the sequence together: ``a r kv (2cp + 1)`` per local token in
+bf16 (the flash kernel takes GQA), ``a q (2cp + 1)`` in fp32 (expanded to the q heads), kept for
+backward (recomputed under full AC); the attention working set grows by their gradients.
+Parameters shard over dp_shard x cp x sp. Not modelled: the dense boolean mask of packed
+documents (``S x S / cp`` bytes per layer with cp; ``B x S x S`` for any sdpa document mask).
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ class Layout:
     dp_shard: int = 1
     sp: int = 1
     tp: int = 1
+    cp: int = 1
 
 
 @dataclass
@@ -94,6 +103,13 @@ def _widths(args: LlamaArgs, layout: Layout) -> tuple[int, int, int, int, int]:
     return args.dim, q, kv, r, args.ffn_hidden_dim // layout.tp
 
 
+def _cp_kv_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
+    """Bytes per local token of the K/V prefixes a cp rank's two chunks attend to (see above)."""
+    _, q, kv, r, _ = _widths(args, layout)
+    width = r * kv if s.act_bytes == 2 else q  # bf16: flash takes GQA; fp32: expanded to the q heads
+    return s.act_bytes * width * (2 * layout.cp + 1)
+
+
 def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: str = "none") -> float:
     """Bytes one layer keeps for backward per local token under AC ``mode``."""
     d, q, kv, r, f = _widths(args, layout)
@@ -103,6 +119,8 @@ def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: st
     # the output projection's input: its own buffer after the return all-to-all; without
     # Ulysses a view of the attention output (kernels write it [B, S, H, Dh]), counted above
     wo_input = a * q if layout.sp > 1 else 0
+    if layout.cp > 1:
+        attention += _cp_kv_per_token(args, layout, s)
     if mode in ("full", "full_offload"):
         return a * d if mode == "full" else 0.0
     if mode == "selective":
@@ -115,11 +133,11 @@ def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: st
 def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1) -> Estimate:
     """The memory of one rank for a step of ``local_batch`` sequences of ``seq_len`` tokens."""
     s, a = switches, switches.act_bytes
-    tokens = local_batch * seq_len / layout.sp  # T
+    tokens = local_batch * seq_len / (layout.sp * layout.cp)  # T
     d, q, kv, r, f = _widths(args, layout)
     block = 2 * d * (q + kv) + 3 * d * f + 2 * d  # one block's parameters on a tp rank
     other = args.vocab_size * d * (1 if args.tie_embeddings else 2) + d
-    shard = (args.n_layers * block + other) / (layout.dp_shard * layout.sp)
+    shard = (args.n_layers * block + other) / (layout.dp_shard * layout.cp * layout.sp)
     states = {"parameters": 4 * shard, "gradients": 4 * shard, "optimizer": 8 * shard}
     host = 0.0
     if s.cpu_offload:
@@ -131,7 +149,8 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     if s.ac_mode == "full_offload":
         host += args.n_layers * a * d * tokens
     recompute = 0.0 if s.ac_mode == "none" else layer_bytes_per_token(args, layout, s, "none") * tokens
-    attention_ws = 3 * a * (q + 2 * r * kv) * tokens
+    cp_kv = _cp_kv_per_token(args, layout, s) * tokens if layout.cp > 1 else 0.0  # and as much of their gradients
+    attention_ws = 3 * a * (q + 2 * r * kv) * tokens + 2 * cp_kv
     mlp_ws = 2 * a * f * (min(s.mlp_tile_size, tokens) if s.mlp_tile_size else tokens)
     logit_rows = min(s.loss_chunk_size, tokens) if s.loss_chunk_size else tokens
     logits = logit_rows * args.vocab_size * (a + 8)
@@ -142,8 +161,8 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
 
 
 def largest_seq_len(args, layout, switches, device_bytes: float, local_batch: int = 1, multiple: int = 1024) -> int:
-    """The longest seq_len (a multiple of ``multiple`` and of sp) whose estimate fits ``device_bytes``."""
-    step = multiple * layout.sp
+    """The longest seq_len (a multiple of ``multiple`` and of sp, or 2 x cp x sp) whose estimate fits ``device_bytes``."""
+    step = multiple * layout.sp * (2 * layout.cp if layout.cp > 1 else 1)
     lo, hi = 0, step
     while estimate(args, layout, switches, hi, local_batch).total <= device_bytes:
         lo, hi = hi, hi * 2

@@ -35,15 +35,19 @@ def from_config(config, dims):
         mlp_tile_size=args.mlp_tile_size, cpu_offload=t.enable_cpu_offload,
         act_bytes=2 if t.mixed_precision_param == "bfloat16" else 4,
     )
-    return args, Layout(dp_shard=dims.size("dp_shard"), sp=dims.sp, tp=dims.tp), switches
+    return args, Layout(dp_shard=dims.size("dp_shard"), sp=dims.sp, tp=dims.tp, cp=dims.cp), switches
 
 
 def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, budget):
     """The first (sp, switches) that fits ``budget`` bytes: (sp, overrides, estimate) or None.
 
+    The sequence is split over n ranks, smallest n first. Over n ranks Ulysses alone is
+    preferred (its all-to-all moves less than cp's all-gather, and it keeps no gathered K/V);
+    where the heads do not allow ulysses_degree n, the largest Ulysses degree they allow is
+    combined with context_parallel_degree n / sp (the overrides then name both).
     FSDP CPU offload (the last switch) moves every parameter over PCIe each step, which
-    costs far more than a larger Ulysses degree inside a node: it is tried only when no
-    degree fits without it.
+    costs far more than a larger degree inside a node: it is tried only when no degree fits
+    without it.
     """
     def heads_allow(sp: int) -> bool:
         try:
@@ -53,10 +57,18 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
             return False
 
     ranks = world // layout.tp
-    degrees = [s for s in range(1, ranks + 1) if ranks % s == 0 and seq_len % s == 0 and heads_allow(s)]
+    splits = []  # (sp, cp) per number of ranks per sequence
+    for n in (n for n in range(1, ranks + 1) if ranks % n == 0):
+        sp = max(s for s in range(1, n + 1) if n % s == 0 and heads_allow(s))
+        cp = n // sp
+        if seq_len % (sp if cp == 1 else 2 * cp * sp) == 0:
+            splits.append((sp, cp))
     for order in (SWITCH_ORDER[:-1], SWITCH_ORDER):
-        for sp in degrees:
-            trial = Layout(dp_shard=world // (sp * layout.tp), sp=sp, tp=layout.tp)
+        for sp, cp in splits:
+            trial = Layout(dp_shard=world // (sp * cp * layout.tp), sp=sp, tp=layout.tp, cp=cp)
+            flags = [f"--parallelism.ulysses_degree {sp}"]
+            if cp > 1 or layout.cp > 1:
+                flags.append(f"--parallelism.context_parallel_degree {cp}")
             sw, overrides = switches, {}
             for i in range(len(order) + 1):
                 if i:
@@ -65,7 +77,7 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
                     overrides[flag.split()[0]] = flag  # a later AC mode replaces an earlier one
                 est = estimate(args, trial, sw, seq_len, batch)
                 if est.total <= budget:
-                    return sp, [f"--parallelism.ulysses_degree {sp}", *overrides.values()], est
+                    return sp, [*flags, *overrides.values()], est
     return None
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias
 
 BACKENDS = ("sdpa", "flex", "flash_attn")
 
@@ -27,11 +28,13 @@ BACKENDS = ("sdpa", "flex", "flash_attn")
 class SDPAAttention(nn.Module):
     def forward(self, q, k, v, attention_mask=None, scale=None):
         gqa = q.shape[2] != k.shape[2]
-        if gqa and q.is_cuda and (attention_mask is not None or q.dtype not in (torch.bfloat16, torch.float16)):
+        dense_mask = attention_mask is not None and not isinstance(attention_mask, CausalBias)
+        if gqa and q.is_cuda and (dense_mask or q.dtype not in (torch.bfloat16, torch.float16)):
             # On CUDA only the flash kernel takes GQA (enable_gqa) natively; with a mask or in
             # fp32 the memory-efficient / cuDNN kernels need as many kv heads as q heads, and
             # without them SDPA falls back to the math kernel, which materialises [B, H, S, S]
-            # scores (seen on an H200). CPU kernels take enable_gqa as they are.
+            # scores (seen on an H200). CPU kernels take enable_gqa as they are. A causal bias
+            # (context parallelism's lower-right causal) runs in the flash kernel.
             k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
             gqa = False
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]

@@ -1,4 +1,4 @@
-"""Lay a Llama model out on the DeviceMesh: float8 -> TP -> Ulysses -> AC -> compile -> offload -> FSDP2."""
+"""Lay a Llama model out on the DeviceMesh: float8 -> TP -> CP -> Ulysses -> AC -> compile -> offload -> FSDP2."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.activation_offload import apply_activation_offload
 from titan_ulysses.distributed.compile import apply_compile
+from titan_ulysses.distributed.context_parallel import apply_cp
 from titan_ulysses.distributed.float8 import Float8Options, apply_float8
 from titan_ulysses.distributed.fsdp import apply_fsdp
 from titan_ulysses.distributed.parallel_dims import ParallelDims
@@ -42,11 +43,16 @@ def parallelize_llama(
     """
     options = options or ParallelizeOptions()
     args = model.args
-    check_heads(args.n_heads, args.n_kv_heads, parallel_dims.sp, parallel_dims.tp)
+    check_heads(args.n_heads, args.n_kv_heads, parallel_dims.sp, parallel_dims.tp, parallel_dims.cp)
     if options.float8 is not None:
         apply_float8(model, options.float8)
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"))
+    if parallel_dims.cp_enabled:  # inside Ulysses: heads are exchanged within sp, then K/V gathered over cp
+        if options.ac_mode == "selective":
+            raise ValueError("selective activation checkpointing does not work with context parallelism (its "
+                             "dispatch mode cannot handle sdpa's causal-bias tensor); use ac_mode 'full'")
+        apply_cp(model, parallel_dims.get_mesh("cp"))
     if parallel_dims.sp_enabled:
         apply_ulysses(model, parallel_dims.get_mesh("sp"))
     apply_ac(model, options.ac_mode)

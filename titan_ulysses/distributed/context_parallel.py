@@ -1,0 +1,156 @@
+"""Context parallelism (``cp``) beside Ulysses: all-gather K and V, attend with the local queries.
+
+Ulysses splits attention by heads, so it cannot split a sequence over more ranks than there
+are heads. Context parallelism splits it further without touching heads: the sequence is
+laid out over ``cp x sp`` ranks (cp outer, see ``data/sharding.py``); inside attention
+
+1. Ulysses exchanges heads within its sp group (``UlyssesAttention``, which wraps this
+   module): each rank then holds the whole cp slice of the sequence, ``S/cp`` tokens, for
+   its ``H/sp`` heads;
+2. this module all-gathers K and V over the cp group (one collective, k and v together):
+   ``[B, S/cp, Hkv/sp, D] -> [B, S, Hkv/sp, D]``, in the cp ranks' token order;
+3. the local attention runs with the local queries against the keys they may see, by their
+   *global* token indices, so every query sees exactly the keys it would on one device:
+
+   * causal (no documents): the gathered K/V are put back in sequence order and each of the
+     rank's two chunks attends to the prefix of the sequence that ends with it, with the
+     causal diagonal aligned bottom-right (``torch.nn.attention.bias.causal_lower_right``,
+     which sdpa runs in its flash / memory-efficient kernels on CUDA without a mask in memory);
+   * packed documents: one call with an explicit boolean mask ``[B, 1, S/cp, S]``, the
+     document mask of the full sequence indexed by the queries' and keys' global indices
+     (dense, so for moderate lengths; see "Backends").
+
+Why all-gather of K/V and not a ring with a log-sum-exp merge: it is exact by construction
+(one softmax over the real keys, no merge of partial results), it is what Llama 3 was trained
+with and torchtitan's ``KVAllGatherCP*`` does, and it composes with any mask the local
+attention takes -- here sdpa's causal bias or a boolean mask. It costs the K/V of the whole
+sequence per layer (``S x Hkv/sp x D``, expanded to the q heads where sdpa's kernel does not
+take GQA: fp32, or a dense mask) and exposes its communication unless overlapped; a ring
+would trade that for cp steps of partial attention and a merge. The all-gather is a
+functional collective (``all_gather_single_autograd``): its backward is a reduce-scatter of
+the K/V gradients, which sums every rank's contribution into the owner of the tokens.
+Functional collectives are what ``torch.compile`` traces without a graph break, but this
+module has not been tested under compile yet.
+
+Causal load balance: with a plain split the last cp rank's queries see every key and the
+first rank's almost none. ``data.sharding.load_balanced_order`` cuts the sequence into 2cp
+chunks and gives rank r chunks r and 2cp-1-r, which evens out the unmasked (q, k) pairs
+(``tests/test_context_parallel.py`` counts them). The mask below is built from that order.
+
+Backends: only ``sdpa`` is implemented (causal: two calls with a lower-right causal bias;
+documents: the explicit dense mask). ``flex`` would need a BlockMask whose mask_mod maps local
+query and gathered key indices to global ones through the same order (blocks of the two
+chunks stay mostly full or empty, so it stays sparse); ``flash_attn`` would need two calls per
+rank, one per chunk, each attending causally (bottom-right aligned) to the keys of the global
+prefix that ends at that chunk, as torchtitan / Llama 3 do, and cu_seqlens for documents.
+Other backends are refused at construction with that explanation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
+
+from titan_ulysses.data.sharding import load_balanced_order
+from titan_ulysses.distributed.ulysses import UlyssesAttention
+from titan_ulysses.ops.attention import SDPAAttention
+
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+def all_gather_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """``[B, L, H, D]`` on each of ``cp`` ranks -> ``[B, cp*L, H, D]`` (rank order), autograd-correct."""
+    b, l, h, d = x.shape
+    gathered = _all_gather(x.contiguous(), 0, group)  # [cp*B, L, H, D], rank-major
+    return gathered.reshape(cp, b, l, h, d).permute(1, 0, 2, 3, 4).reshape(b, cp * l, h, d)
+
+
+def cp_mask(attention_mask, cp_rank: int, cp: int, local_len: int, device) -> torch.Tensor:
+    """The boolean mask ``[B or 1, 1, local_len, cp*local_len]`` of this cp rank's queries against
+    the gathered keys: causal by global index, and within documents when ``attention_mask`` (the
+    sdpa ``[B, 1, S, S]`` mask of the padded sequence in natural order) is given."""
+    order = load_balanced_order(cp * local_len, cp, device)  # global index of every gathered key
+    q_index = order.view(cp, local_len)[cp_rank]
+    if attention_mask is None:
+        return (q_index[:, None] >= order[None, :])[None, None]
+    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+            and attention_mask.shape[-2:] == (cp * local_len, cp * local_len)):
+        raise ValueError(
+            "context parallelism needs the sdpa document mask of the full padded sequence "
+            f"([B, 1, {cp * local_len}, {cp * local_len}] bool, from ops.attention.build_attention_mask), got "
+            f"{type(attention_mask).__name__} {tuple(getattr(attention_mask, 'shape', ()))}"
+        )
+    return attention_mask[:, :, q_index][:, :, :, order]
+
+
+class ContextParallelAttention(nn.Module):
+    """Wraps a local attention ``fn(q, k, v, attention_mask=None, ...)``: gathers K/V over cp.
+
+    Inputs ``q: [B, S/cp, Hq, D]``, ``k, v: [B, S/cp, Hkv, D]`` -- this cp rank's slice in the
+    load-balanced order (after Ulysses' exchange when sp > 1, which wraps this module).
+    ``attention_mask`` is None (causal) or the sdpa mask of the full padded sequence.
+    """
+
+    def __init__(self, local_attention: nn.Module, cp_mesh: DeviceMesh):
+        super().__init__()
+        if cp_mesh.ndim != 1:
+            raise ValueError(f"ContextParallelAttention needs a 1-D cp mesh, got {cp_mesh.ndim} dims")
+        if not isinstance(local_attention, SDPAAttention):
+            raise NotImplementedError(
+                f"context_parallel_degree > 1 is implemented for attn_backend 'sdpa' only, not "
+                f"{type(local_attention).__name__}: it needs a mask of the load-balanced query order against "
+                f"all gathered keys (flex: a BlockMask over those indices; flash_attn: one causal call per "
+                f"chunk); use model.attn_backend 'sdpa'"
+            )
+        self.local_attention = local_attention
+        self.cp = cp_mesh.size()
+        self.cp_rank = cp_mesh.get_local_rank()
+        self.group = cp_mesh.get_group()
+
+    def forward(self, q, k, v, attention_mask=None, *args, **kwargs):
+        if self.cp == 1:
+            return self.local_attention(q, k, v, attention_mask, *args, **kwargs)
+        local_len, hkv = k.shape[1], k.shape[2]
+        kv = all_gather_seq(torch.cat([k, v], dim=2), self.group, self.cp)  # [B, S, 2 Hkv, D], cp ranks' order
+        if attention_mask is not None:  # documents: one call, dense mask by global indices
+            k, v = kv.split(hkv, dim=2)
+            mask = cp_mask(attention_mask, self.cp_rank, self.cp, local_len, q.device)
+            return self.local_attention(q, k, v, mask, *args, **kwargs)
+        # causal: keys back in sequence order; my head chunk r and tail chunk 2cp-1-r each see
+        # the prefix that ends with them, the causal diagonal aligned bottom-right
+        order = load_balanced_order(self.cp * local_len, self.cp, q.device)
+        kv = kv.index_select(1, torch.argsort(order))
+        k, v = kv.split(hkv, dim=2)
+        chunk = local_len // 2
+        outs = []
+        for i, c in enumerate((self.cp_rank, 2 * self.cp - 1 - self.cp_rank)):
+            end = (c + 1) * chunk
+            outs.append(self.local_attention(
+                q[:, i * chunk:(i + 1) * chunk], k[:, :end], v[:, :end], causal_lower_right(chunk, end), *args, **kwargs
+            ))
+        return torch.cat(outs, dim=1)
+
+    def extra_repr(self) -> str:
+        return f"cp={self.cp}, cp_rank={self.cp_rank}"
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> int:
+    """Wrap the ``inner_attention`` of every attention module in ``ContextParallelAttention``.
+
+    Call it before ``apply_ulysses`` (which then wraps this wrapper: heads are exchanged within
+    sp first, K/V gathered over cp inside). Returns how many were wrapped.
+    """
+    wrapped = 0
+    for module in list(model.modules()):
+        inner = getattr(module, "inner_attention", None)
+        if isinstance(inner, UlyssesAttention):
+            raise ValueError("apply_cp must run before apply_ulysses (Ulysses wraps context parallelism)")
+        if isinstance(inner, nn.Module) and not isinstance(inner, ContextParallelAttention):
+            module.inner_attention = ContextParallelAttention(inner, cp_mesh)
+            wrapped += 1
+    if wrapped == 0:
+        raise ValueError("apply_cp found no `inner_attention` module to wrap in the model")
+    return wrapped
