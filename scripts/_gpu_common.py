@@ -41,3 +41,13 @@ class Case:
     fn: object
     est_s: float  # on the GPU; the runner skips the case when less than this is left
     dry_est_s: float = 0.0
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Frobenius norm of the difference relative to the reference's."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def exact_fp32() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
