@@ -133,7 +133,7 @@ class UlyssesAttention(nn.Module):
 
     check_slices = True
     """Check in eager mode that every rank holds as many tokens (one all_gather of an int per call;
-    compiled code skips it). Unequal slices would otherwise abort the process inside gloo (or
+    compiled code skips it; ``apply_ulysses`` leaves it on for the first layer only). Unequal slices would otherwise abort the process inside gloo (or
     hang NCCL) with no hint of the cause."""
 
     def __init__(self, local_attention: nn.Module, sp_mesh: DeviceMesh):
@@ -189,6 +189,10 @@ def apply_ulysses(model: nn.Module, sp_mesh: DeviceMesh) -> int:
         inner = getattr(module, "inner_attention", None)
         if isinstance(inner, nn.Module) and not isinstance(inner, UlyssesAttention):
             module.inner_attention = UlyssesAttention(inner, sp_mesh)
+            # every layer sees the same slice length: the first layer's check (one all_gather
+            # and a host sync per forward) catches a mismatch; repeating it per layer would
+            # put a sync in front of every attention of the step
+            module.inner_attention.check_slices = wrapped == 0
             wrapped += 1
     if wrapped == 0:
         raise ValueError("apply_ulysses found no `inner_attention` module to wrap in the model")
