@@ -90,3 +90,16 @@ def parallel_step(model, pd: ParallelDims, inputs, labels, microbatches: int = 1
         total += loss.detach()
         logits.append(out.detach())
     return dist_sum(torch.as_tensor(total), pd.get_mesh("loss")), logits
+
+
+def assert_params_match(model, ref_params: dict, lr: float, steps: int) -> None:
+    """Parameters after ``steps`` optimizer steps equal the reference's.
+
+    Adam turns 1e-10 noise on a near-zero gradient into a visible step, so parameters are
+    held to 1% of one update (lr): a missed, doubled or misrouted update is 100x that.
+    """
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(
+            full(p.detach()), ref_params[clean_name(name)].detach(), rtol=1e-5, atol=lr * 1e-2,
+            msg=lambda m: f"param {name} after {steps} steps: {m}",
+        )

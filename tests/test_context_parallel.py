@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.nn.attention.bias import causal_lower_right
 
 from dist_utils import assert_close, run_distributed
-from model_harness import build_pair, clean_name, full, small_args
+from model_harness import assert_params_match, build_pair, clean_name, full, small_args
 from titan_ulysses.config.manager import ConfigError, load_config, validate
 from titan_ulysses.data.sharding import check_seq_len, load_balanced_order, shard_batch
 from titan_ulysses.distributed.context_parallel import cp_mask
@@ -88,11 +88,7 @@ def _compare(layout: dict, overrides: dict, packed: bool, ac_mode: str = "none")
         opt.step()
         opt.zero_grad()
 
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(
-            full(p.detach()), ref_params[clean_name(name)].detach(), rtol=1e-5, atol=LR * 1e-2,
-            msg=lambda m: f"param {name} after {STEPS} steps: {m}",
-        )
+    assert_params_match(model, ref_params, LR, STEPS)
 
 
 CASES = {

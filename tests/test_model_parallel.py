@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from dist_utils import assert_close, run_distributed
 from model_harness import (
+    assert_params_match,
     build_pair,
     clean_name,
     full,
@@ -77,13 +78,7 @@ def _compare(layout: dict, ac_mode: str, microbatches: int, model_overrides: dic
         opt.step()
         opt.zero_grad()
 
-    # Adam turns 1e-10 noise on a near-zero gradient into a visible step, so parameters are
-    # held to 1% of one update (lr): a missed, doubled or misrouted update is 100x that.
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(
-            full(p.detach()), ref_params[clean_name(name)].detach(), rtol=1e-5, atol=LR * 1e-2,
-            msg=lambda m: f"param {name} after {STEPS} steps: {m}",
-        )
+    assert_params_match(model, ref_params, LR, STEPS)
 
 
 CASES = {
