@@ -290,3 +290,34 @@ def test_estimator_and_comm_model_know_cp():
     # where Ulysses alone is allowed it is chosen: the 8B (32 heads) at the same length
     rec = recommend(big, Layout(dp_shard=8), sw, 2621440, 1, 8, 0.9 * 80 * GIB)
     assert rec is not None and rec[1][0] == "--parallelism.ulysses_degree 8" and "context" not in " ".join(rec[1])
+
+
+def test_recommend_proposes_cp_only_with_sdpa():
+    """cp runs on sdpa only: with flex or flash_attn a cp split comes after every split that keeps the
+    backend, and names the backend change it needs (before FSDP CPU offload, which costs far more)."""
+    import dataclasses
+
+    from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
+    from titan_ulysses.metrics.memory_fit import recommend
+    from titan_ulysses.models.llama.args import get_flavor
+
+    qwen = dict(dim=3584, n_heads=28, n_kv_heads=4, ffn_hidden_dim=18944, vocab_size=152064)
+    for backend in ("flex", "flash_attn"):
+        # 2.5M tokens of Qwen2.5-7B's shape on 8 GPUs: nothing fits over 4 ranks without CPU offload,
+        # ulysses 4 x cp 2 does, on sdpa
+        rec = recommend(get_flavor("8B", attn_backend=backend, **qwen), Layout(dp_shard=8), Switches(),
+                        2621440, 1, 8, 0.9 * 80 * GIB)
+        assert rec is not None and rec[1][:3] == ["--parallelism.ulysses_degree 4", "--parallelism.context_parallel_degree 2",
+                                                  "--model.attn_backend sdpa"], rec[1]
+        assert "--training.enable_cpu_offload true" not in rec[1]
+
+    # 12 heads, 4 kv heads, 12 GPUs: ulysses 3 and 6 are impossible, so 3 ranks per sequence are
+    # 1 x cp 3. A budget that 3 ranks just meet: sdpa takes cp 3; flex keeps its backend at ulysses 4
+    args = get_flavor("debugmodel", dim=192, n_heads=12, n_kv_heads=4)
+    lean = Switches(loss_chunk_size=8192, mlp_tile_size=8192, ac_mode="full_offload")
+    budget = estimate(args, Layout(dp_shard=4, cp=3), lean, 49152).total
+    sdpa = recommend(args, Layout(dp_shard=12), Switches(), 49152, 1, 12, budget)
+    assert sdpa is not None and sdpa[1][:2] == ["--parallelism.ulysses_degree 1", "--parallelism.context_parallel_degree 3"]
+    flex = recommend(dataclasses.replace(args, attn_backend="flex"), Layout(dp_shard=12), Switches(), 49152, 1, 12, budget)
+    assert flex is not None and flex[1][0] == "--parallelism.ulysses_degree 4", flex[1]
+    assert not any("context_parallel" in f or "attn_backend" in f for f in flex[1]), flex[1]
