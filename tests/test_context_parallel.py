@@ -276,6 +276,11 @@ def test_estimator_and_comm_model_know_cp():
     # (bf16: GQA kept, 8 kv heads split over sp 4): per layer 2 bytes x 2 (k, v) x 2 kv heads x 128 x 5/4 x 131072
     extra = big.n_layers * 2 * 2 * 2 * 128 * 5 / 4 * 131072
     assert hybrid.saved_activations - sp8.saved_activations == pytest.approx(extra, rel=0.01)
+    # selective AC keeps the all-gathered K/V (the whole sequence: cp x the local tokens) instead of the prefixes
+    sel = dataclasses.replace(sw, ac_mode="selective")
+    assert (estimate(big, Layout(sp=4, cp=2), sel, 131072).saved_activations
+            - estimate(big, Layout(sp=8), sel, 131072).saved_activations) == pytest.approx(
+        big.n_layers * 2 * 2 * 2 * 128 * 131072, rel=0.01)  # 2 bytes x 2 (k, v) x 2 kv heads x 128 x S
     # full AC keeps none of it: it comes back only in the recompute of one layer
     full = dataclasses.replace(sw, ac_mode="full")
     assert estimate(big, Layout(sp=4, cp=2), full, 131072).saved_activations == pytest.approx(
