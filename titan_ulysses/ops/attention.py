@@ -10,6 +10,9 @@ softmax scale (``None``: ``1/sqrt(D)``).
 * ``sdpa``: ``F.scaled_dot_product_attention``; on CUDA it dispatches to FlashAttention
   or cuDNN kernels. Document masking materialises a dense [B, 1, S, S] mask, so use it
   only at short lengths; ``flex`` is the long-context path for packed documents.
+  Its ``causal_lower_right(q, k, v)`` (queries shorter than the keys, the causal diagonal
+  bottom-right) is what context parallelism calls per chunk; a backend that cp should run
+  on needs that method too.
 * ``flex``: FlexAttention with a BlockMask (causal, or causal within documents).
 * ``flash_attn``: the flash-attn package (CUDA only, optional extra); document masking
   through its varlen kernel with cumulative sequence lengths.
