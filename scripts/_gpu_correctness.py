@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from titan_ulysses.ops.attention import build_attention, build_attention_mask  # noqa: E402
 
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+bf16_fp32 = (torch.bfloat16, torch.float32)
 DEBUG = os.path.join(ROOT, "train_configs", "debug_model.toml")
 
 
@@ -103,6 +104,36 @@ def attention_case(backend: str, kernel: SDPBackend | None, docs: bool, dtypes: 
                           f"{tol}; a wrong mask gives bug_err"}
 
     return run
+
+
+def lower_right_case(ctx):
+    """Context parallelism's per-chunk attention (``SDPAAttention.causal_lower_right``): on CUDA in
+    bf16 the aten flash op with no mask, elsewhere a dense mask; both against fp32 math, with GQA."""
+    exact_fp32()
+    b, lq, lk, hq, hkv, d = (2, 32, 128, 4, 2, 16) if ctx.dry_run else (2, 1024, 4096, 8, 2, 128)
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(b, n, h, d, generator=gen) for n, h in ((lq, hq), (lk, hkv), (lk, hkv))]
+    grad = torch.randn(b, lq, hq, d, generator=gen)
+    lower_right = torch.ones(lq, lk, dtype=torch.bool, device=ctx.device).tril(lk - lq)
+    module = build_attention("sdpa")
+    figures, ok = {}, True
+    for dtype in bf16_fp32:
+        q, k, v = (t.to(ctx.device, dtype).requires_grad_() for t in base)
+        g = grad.to(ctx.device, dtype)
+        ref = _reference(q, k, v, g, lower_right)
+        out = module.causal_lower_right(q, k, v)
+        out.backward(g)
+        err = max(rel_err(x, r) for x, r in zip((out, q.grad, k.grad, v.grad), ref))
+        figures[f"{str(dtype).removeprefix('torch.')}_err"] = err
+        ok &= err < TOL[dtype]
+    # what the wrong alignment looks like: the causal diagonal top-left (sdpa's is_causal)
+    bug = rel_err(_reference(q, k, v, g, lower_right.new_ones(lq, lk).tril())[0], ref[0])
+    figures["bug_err"] = bug
+    ok &= bug > 10 * max(TOL.values())
+    return {"status": "pass" if ok else "fail", "figures": figures,
+            "detail": f"q [{b}, {lq}, {hq}, {d}] against a {lk}-key prefix ({hkv} kv heads), fwd+bwd vs fp32 math; "
+                      f"bf16 < {TOL[torch.bfloat16]:g} (on CUDA the aten flash op, no mask), "
+                      f"fp32 < {TOL[torch.float32]:g} (dense mask); a top-left diagonal gives bug_err"}
 
 
 # ---- the memory switches on CUDA -------------------------------------------------------------
@@ -290,7 +321,6 @@ def trainer_1b(ctx):
                       f"{steps} steps at sp=1: finite and falling"}
 
 
-bf16_fp32 = (torch.bfloat16, torch.float32)
 CASES = [
     Case("attn_sdpa_flash", attention_case("sdpa", SDPBackend.FLASH_ATTENTION, False, (torch.bfloat16,)), 10, 5),
     Case("attn_sdpa_cudnn", attention_case("sdpa", SDPBackend.CUDNN_ATTENTION, False, (torch.bfloat16,)), 10, 1),
@@ -299,6 +329,7 @@ CASES = [
     Case("attn_flex_causal", attention_case("flex", None, False, bf16_fp32), 60, 10),
     Case("attn_flex_docmask", attention_case("flex", None, True, bf16_fp32), 60, 10),
     Case("attn_flash_attn_pkg", attention_case("flash_attn", None, False, (torch.bfloat16,)), 10, 1),
+    Case("attn_sdpa_lower_right_cp", lower_right_case, 10, 2),
     Case("multiprocess_one_gpu", multiprocess_one_gpu, 90, 30),
     Case("full_offload_equals_full", full_offload_equals_full, 15, 5),
     Case("checkpoint_async_pinned_resume", checkpoint_async_pinned_resume, 60, 30),

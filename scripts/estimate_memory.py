@@ -7,10 +7,12 @@
         --parallelism.ulysses_degree 1 --validate
 
 The model of what is kept is in ``titan_ulysses/metrics/memory_estimate.py``. The
-recommendation tries the Ulysses degrees the heads allow (smallest first) and adds memory
+recommendation tries the ranks per sequence smallest first (Ulysses where the heads allow,
+ulysses x context_parallel where they do not; cp only on ``model.attn_backend`` sdpa, so with
+flex or flash_attn a cp split comes last and names ``--model.attn_backend sdpa``) and adds memory
 switches in the order of the user guide until the estimate fits in 90% of the device
 (the rest: CUDA context, NCCL, fragmentation); FSDP CPU offload comes in only where no
-degree fits without it. ``--validate`` runs two real steps and
+split fits without it. ``--validate`` runs two real steps and
 compares: on CUDA the second (steady-state) step's whole peak (``torch.cuda.max_memory_allocated``, one process; in fake
 mode for a world size above 1; measured on an H200, see docs/benchmarks.md); on CPU the saved activations,
 counted through autograd's saved-tensor hooks (single process, sp = 1).

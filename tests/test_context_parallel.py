@@ -5,14 +5,19 @@ the loss, every parameter gradient and the parameters after AdamW steps (fp32, r
 with S = 13 (every case pads) and GQA (8 q heads with 2 kv heads; 6 q heads with 1 kv head,
 replicated for sp, a head count that Ulysses alone cannot split over the same 4 ranks).
 Layouts: cp4, cp2 with packed documents (the dense-mask path) and full activation
-checkpointing, cp2 x sp2, dp_shard2 x cp2 with full checkpointing, cp2 x tp2. Not covered
-here: torch.compile with cp; selective checkpointing with cp is refused (see below).
+checkpointing, cp2 x sp2, dp_shard2 x cp2 with full checkpointing, cp2 x tp2, cp2 with
+selective checkpointing, and cp2 with the trainer's per-block torch.compile(fullgraph=True)
+and selective checkpointing. The trainer's runs through torchrun are in
+``test_context_parallel_trainer.py``.
 """
+
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import assert_close, run_distributed
 from model_harness import assert_params_match, build_pair, clean_name, full, small_args
@@ -47,11 +52,11 @@ def _batch(step: int, vocab: int, packed: bool):
     return inputs, labels, docs, index - first  # positions restart in every document
 
 
-def _compare(layout: dict, overrides: dict, packed: bool, ac_mode: str = "none"):
+def _compare(layout: dict, overrides: dict, packed: bool, options: dict):
     pd = ParallelDims(**layout, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
     args = small_args(**overrides)
-    ref, model = build_pair(args, pd, ParallelizeOptions(param_dtype=torch.float32, ac_mode=ac_mode))
+    ref, model = build_pair(args, pd, ParallelizeOptions(param_dtype=torch.float32, **options))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, foreach=False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
     ref_params = dict(ref.named_parameters())
@@ -92,20 +97,70 @@ def _compare(layout: dict, overrides: dict, packed: bool, ac_mode: str = "none")
 
 
 CASES = {
-    # id: (world size, layout, model overrides, packed documents)
-    "cp4": (4, dict(cp=4), {}, False),  # 8 chunks: ranks hold (0, 7), (1, 6), (2, 5), (3, 4)
-    "cp2-packed-documents-ac-full": (2, dict(cp=2), {}, True, "full"),  # the all-gather recomputed in backward
+    # id: (world size, layout, model overrides, packed documents, ParallelizeOptions)
+    "cp4": (4, dict(cp=4), {}, False, {}),  # 8 chunks: ranks hold (0, 7), (1, 6), (2, 5), (3, 4)
+    # the all-gather recomputed in backward
+    "cp2-packed-documents-ac-full": (2, dict(cp=2), {}, True, dict(ac_mode="full")),
     # 6 heads: Ulysses cannot split them over 4 ranks (refused, naming 2 x 2), cp x sp can; 1 kv head replicated for sp
-    "cp2-sp2-6heads-kv-replicated": (4, dict(cp=2, sp=2), dict(dim=48, n_heads=6, n_kv_heads=1), False),
-    "dp_shard2-cp2-ac-full": (4, dict(dp_shard=2, cp=2), {}, False, "full"),
-    "cp2-tp2": (4, dict(cp=2, tp=2), {}, False),
+    "cp2-sp2-6heads-kv-replicated": (4, dict(cp=2, sp=2), dict(dim=48, n_heads=6, n_kv_heads=1), False, {}),
+    "dp_shard2-cp2-ac-full": (4, dict(dp_shard=2, cp=2), {}, False, dict(ac_mode="full")),
+    "cp2-tp2": (4, dict(cp=2, tp=2), {}, False, {}),
+    # the K/V all-gather and both chunks' attention kept, the lower-right causal mask recomputed
+    "cp2-ac-selective": (2, dict(cp=2), {}, False, dict(ac_mode="selective")),
+    # the trainer's per-block torch.compile(fullgraph=True): the all-gather, the load-balanced
+    # key order and the causal mask traced; selective AC inside the compiled block
+    "cp2-compile-ac-selective": (2, dict(cp=2), {}, False, dict(ac_mode="selective", compile=True)),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_cp_layout_matches_single_process(case):
-    world, layout, overrides, packed, *ac_mode = CASES[case]
-    run_distributed(_compare, world, layout, overrides, packed, *ac_mode)
+    world, layout, overrides, packed, options = CASES[case]
+    run_distributed(_compare, world, layout, overrides, packed, options)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the functional collectives and the sdpa forward kernels that run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if func.namespace == "_c10d_functional" or name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
+            self.counts[name.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _selective_ac_keeps_the_gathered_kv():
+    from torch.utils.checkpoint import checkpoint
+
+    from titan_ulysses.distributed.activation_checkpoint import _selective_context
+    from titan_ulysses.distributed.context_parallel import ContextParallelAttention
+    from titan_ulysses.ops.attention import SDPAAttention
+
+    pd = ParallelDims(cp=2, world_size=2)
+    pd.build_mesh("cpu")
+    attention = ContextParallelAttention(SDPAAttention(), pd.get_mesh("cp"))
+    backward = {}
+    for mode, context_fn in (("selective", _selective_context), ("full", None)):
+        q, k, v = (torch.randn(1, 8, h, 8, requires_grad=True) for h in (4, 2, 2))  # [B, S/cp, H, D]
+        out = checkpoint(attention, q, k, v, use_reentrant=False, **({"context_fn": context_fn} if context_fn else {}))
+        with _CountOps() as ops:
+            out.sum().backward()
+        backward[mode] = ops.counts
+    # selective: backward reduce-scatters the K/V gradients and neither gathers again nor reruns attention
+    assert backward["selective"]["reduce_scatter_tensor"] == 1, backward
+    assert backward["selective"]["all_gather_into_tensor"] == 0, backward
+    assert backward["selective"]["_scaled_dot_product_flash_attention_for_cpu"] == 0, backward
+    # full: the recompute gathers again and runs both chunks' attention again (the counter sees them)
+    assert backward["full"]["all_gather_into_tensor"] == 1, backward
+    assert backward["full"]["_scaled_dot_product_flash_attention_for_cpu"] == 2, backward
+
+
+def test_selective_ac_keeps_the_gathered_kv_and_attention_outputs():
+    run_distributed(_selective_ac_keeps_the_gathered_kv, 2)
 
 
 def _pairs(q_index: torch.Tensor, k_index: torch.Tensor) -> int:
@@ -157,10 +212,7 @@ def test_cp_refusals_name_the_settings():
         validate(load_config(base + ["--parallelism.data_parallel_shard_degree", "1"]), 8)
     with pytest.raises(ConfigError, match=r"context_parallel_degree 2 is implemented for model.attn_backend 'sdpa' only"):
         validate(load_config(base + ["--model.attn_backend", "flex"]), 4)
-    with pytest.raises(ConfigError, match=r"activation_checkpoint.mode 'selective' does not work with "
-                                          r"parallelism.context_parallel_degree 2"):
-        validate(load_config(base + ["--activation_checkpoint.mode", "selective"]), 4)
-    pd = validate(load_config(base), 8)
+    pd = validate(load_config(base + ["--activation_checkpoint.mode", "selective", "--compile.enable", "true"]), 8)
     assert pd.degrees == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "sp": 2, "tp": 1}
     assert pd.size("fsdp_shard") == 8 and pd.size("dp_shard_sp") == 8 and pd.size("loss") == 8
     assert pd.size("dp") == 2 and pd.size("seq") == 4
@@ -197,36 +249,6 @@ def test_cp_refuses_backends_it_does_not_implement():
         ContextParallelAttention(FlexAttention(), OneRankMesh())  # type: ignore[arg-type]
 
 
-def test_trainer_runs_context_parallel_through_torchrun(tmp_path):
-    """A run written at ulysses_degree 2 resumes through torchrun at ``--parallelism.context_parallel_degree 2``
-    and its step equals one process's (weights, optimizer and data position carried across layouts)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from test_trainer import BASE, layout, losses, run
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "100"]
-    ref = losses(run(1, ["--training.steps", "3"] + layout(), tmp_path, "single"))
-    first = losses(run(2, ["--training.steps", "2"] + ckpt + layout(sp=2), tmp_path, "resumed"))
-    folder = tmp_path / "resumed"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
-         *BASE, "--training.steps", "3", *ckpt, *layout(), "--parallelism.context_parallel_degree", "2",
-         "--job.dump_folder", str(folder)],
-        cwd=root, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "'cp': 2" in proc.stdout and "starting at step 2" in proc.stdout
-    with open(folder / "metrics.jsonl") as f:
-        resumed = losses([json.loads(line) for line in f])
-    for s in range(1, 4):
-        got = first[s] if s < 3 else resumed[s]
-        assert got == pytest.approx(ref[s], rel=1e-5), f"step {s}: {got} vs {ref[s]}"
-
-
 def test_estimator_and_comm_model_know_cp():
     import dataclasses
 
@@ -254,6 +276,11 @@ def test_estimator_and_comm_model_know_cp():
     # (bf16: GQA kept, 8 kv heads split over sp 4): per layer 2 bytes x 2 (k, v) x 2 kv heads x 128 x 5/4 x 131072
     extra = big.n_layers * 2 * 2 * 2 * 128 * 5 / 4 * 131072
     assert hybrid.saved_activations - sp8.saved_activations == pytest.approx(extra, rel=0.01)
+    # selective AC keeps the all-gathered K/V (the whole sequence: cp x the local tokens) instead of the prefixes
+    sel = dataclasses.replace(sw, ac_mode="selective")
+    assert (estimate(big, Layout(sp=4, cp=2), sel, 131072).saved_activations
+            - estimate(big, Layout(sp=8), sel, 131072).saved_activations) == pytest.approx(
+        big.n_layers * 2 * 2 * 2 * 128 * 131072, rel=0.01)  # 2 bytes x 2 (k, v) x 2 kv heads x 128 x S
     # full AC keeps none of it: it comes back only in the recompute of one layer
     full = dataclasses.replace(sw, ac_mode="full")
     assert estimate(big, Layout(sp=4, cp=2), full, 131072).saved_activations == pytest.approx(
@@ -270,26 +297,32 @@ def test_estimator_and_comm_model_know_cp():
     assert rec is not None and rec[1][0] == "--parallelism.ulysses_degree 8" and "context" not in " ".join(rec[1])
 
 
-def test_fake_world_runs_cp_and_reports_its_volume(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
+def test_recommend_proposes_cp_only_with_sdpa():
+    """cp runs on sdpa only: with flex or flash_attn a cp split comes after every split that keeps the
+    backend, and names the backend change it needs (before FSDP CPU offload, which costs far more)."""
+    import dataclasses
 
-    from titan_ulysses.metrics.comm import context_parallel_bytes_per_step
+    from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
+    from titan_ulysses.metrics.memory_fit import recommend
     from titan_ulysses.models.llama.args import get_flavor
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "fake"
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--config", "train_configs/debug_model.toml", "--comm.mode", "fake",
-         "--comm.fake_world_size", "8", "--parallelism.ulysses_degree", "4", "--parallelism.context_parallel_degree", "2",
-         "--training.seq_len", "1024", "--training.local_batch_size", "1", "--training.steps", "1",
-         "--checkpoint.enable", "false", "--job.dump_folder", str(out)],
-        cwd=root, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "'cp': 2" in proc.stdout and "'sp': 4" in proc.stdout
-    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    expected = context_parallel_bytes_per_step(get_flavor("debugmodel"), 1024, 1, 2, 4, 1, 4, False)
-    assert metrics[-1]["cp_gib_per_step"] == pytest.approx(expected / 2**30)
+    qwen = dict(dim=3584, n_heads=28, n_kv_heads=4, ffn_hidden_dim=18944, vocab_size=152064)
+    for backend in ("flex", "flash_attn"):
+        # 2.5M tokens of Qwen2.5-7B's shape on 8 GPUs: nothing fits over 4 ranks without CPU offload,
+        # ulysses 4 x cp 2 does, on sdpa
+        rec = recommend(get_flavor("8B", attn_backend=backend, **qwen), Layout(dp_shard=8), Switches(),
+                        2621440, 1, 8, 0.9 * 80 * GIB)
+        assert rec is not None and rec[1][:3] == ["--parallelism.ulysses_degree 4", "--parallelism.context_parallel_degree 2",
+                                                  "--model.attn_backend sdpa"], rec[1]
+        assert "--training.enable_cpu_offload true" not in rec[1]
+
+    # 12 heads, 4 kv heads, 12 GPUs: ulysses 3 and 6 are impossible, so 3 ranks per sequence are
+    # 1 x cp 3. A budget that 3 ranks just meet: sdpa takes cp 3; flex keeps its backend at ulysses 4
+    args = get_flavor("debugmodel", dim=192, n_heads=12, n_kv_heads=4)
+    lean = Switches(loss_chunk_size=8192, mlp_tile_size=8192, ac_mode="full_offload")
+    budget = estimate(args, Layout(dp_shard=4, cp=3), lean, 49152).total
+    sdpa = recommend(args, Layout(dp_shard=12), Switches(), 49152, 1, 12, budget)
+    assert sdpa is not None and sdpa[1][:2] == ["--parallelism.ulysses_degree 1", "--parallelism.context_parallel_degree 3"]
+    flex = recommend(dataclasses.replace(args, attn_backend="flex"), Layout(dp_shard=12), Switches(), 49152, 1, 12, budget)
+    assert flex is not None and flex[1][0] == "--parallelism.ulysses_degree 4", flex[1]
+    assert not any("context_parallel" in f or "attn_backend" in f for f in flex[1]), flex[1]

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # test_checkpoint.py, test_compile.py) and would add three minutes to CI.
 DRY = {
     "correctness": ["attn_sdpa_flash", "attn_sdpa_cudnn", "attn_sdpa_docmask", "attn_flex_docmask",
-                    "attn_flash_attn_pkg", "multiprocess_one_gpu", "full_offload_equals_full",
+                    "attn_flash_attn_pkg", "attn_sdpa_lower_right_cp", "multiprocess_one_gpu", "full_offload_equals_full",
                     "float8_rowwise", "trainer_1b_sp1"],
     "bench": ["bench_attention", "8b_128k_sim8_compile_bf16_full"],
     "limits": ["estimate_validate_8b_32k", "longest_1b_one_gpu"],

@@ -125,3 +125,20 @@ def test_a_config_beyond_the_device_is_a_warning_naming_the_recommendation():
     warning = memory_warning(long, validate(long, 8), 8, 80 * 2**30)
     assert "more than the device's 80.0 GiB" in warning
     assert "scripts/estimate_memory.py recommends --parallelism.ulysses_degree" in warning
+
+
+def test_script_recommendation_for_flex_names_the_sdpa_it_needs_for_cp(capsys):
+    """A length that needs 32 ranks per sequence of the debug model (16 heads: ulysses 16 x cp 2) on a
+    flex run: the recommended overrides switch to sdpa, the only backend cp runs on, so they validate."""
+    import json
+
+    from titan_ulysses.config.manager import load_config, validate
+
+    run = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "1048576", "--model.attn_backend", "flex",
+           "--parallelism.ulysses_degree", "1"]
+    estimate_memory.main([*run, "--world-size", "32", "--device-memory-gib", "5", "--json"])
+    rec = json.loads(capsys.readouterr().out)["recommendation"]
+    assert rec["ulysses_degree"] == 16 and rec["context_parallel_degree"] == 2, rec
+    assert "--model.attn_backend sdpa" in rec["overrides"], rec
+    dims = validate(load_config(run + [word for flag in rec["overrides"] for word in flag.split()]), 32)
+    assert (dims.sp, dims.cp) == (16, 2)

@@ -168,11 +168,6 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
             f"parallelism.context_parallel_degree {dims.cp} is implemented for model.attn_backend 'sdpa' only, "
             f"not {config.model.attn_backend!r}; use 'sdpa' (or context_parallel_degree 1)"
         )
-    if dims.cp > 1 and config.activation_checkpoint.mode == "selective":
-        raise ConfigError(
-            f"activation_checkpoint.mode 'selective' does not work with parallelism.context_parallel_degree {dims.cp} "
-            f"(its dispatch mode cannot handle sdpa's causal-bias tensor); use 'full' or 'full_offload'"
-        )
     dp = dims.size("dp")
     gbs = resolved_global_batch_size(config, dp)
     if gbs <= 0 or gbs % (t.local_batch_size * dp):

@@ -3,7 +3,10 @@
 * ``full``: recompute the whole block in backward (including the Ulysses all-to-alls).
 * ``selective``: op-level selective checkpointing: keep the outputs of matmuls, attention
   kernels and collectives, recompute the cheap elementwise work (norms, RoPE, SiLU) --
-  so backward neither redoes an all-to-all nor an attention forward.
+  so backward neither redoes an all-to-all, context parallelism's K/V all-gather, nor an
+  attention forward. (What the policy sees are aten and functional-collective ops; the
+  attention inputs must be plain tensors -- ``SDPAAttention.causal_lower_right`` builds its
+  lower-right causal mask from ints for that reason, see ``ops/attention.py``.)
 * ``full_offload``: ``full``, and the one tensor each block still keeps (its input,
   ``[B, S/sp, D]``) goes to pinned host memory until backward needs it, the copies
   overlapped with compute on CUDA: see ``activation_offload.py``.
@@ -30,6 +33,7 @@ _SAVE_OPS = (
     "aten._scaled_dot_product_cudnn_attention",
     "aten._scaled_dot_product_flash_attention_for_cpu",
     "_c10d_functional.all_to_all_single",
+    "_c10d_functional.all_gather_into_tensor",  # context parallelism's K/V
     "_c10d_functional.reduce_scatter_tensor",
 )
 

@@ -14,8 +14,9 @@ laid out over ``cp x sp`` ranks (cp outer, see ``data/sharding.py``); inside att
 
    * causal (no documents): the gathered K/V are put back in sequence order and each of the
      rank's two chunks attends to the prefix of the sequence that ends with it, with the
-     causal diagonal aligned bottom-right (``torch.nn.attention.bias.causal_lower_right``,
-     which sdpa runs in its flash / memory-efficient kernels on CUDA without a mask in memory);
+     causal diagonal aligned bottom-right (``SDPAAttention.causal_lower_right``: on CUDA in
+     bf16/fp16 PyTorch's flash kernel, no mask in memory; elsewhere -- CPU, fp32 -- an
+     explicit ``[S/2cp, prefix]`` boolean mask built from the two lengths);
    * packed documents: one call with an explicit boolean mask ``[B, 1, S/cp, S]``, the
      document mask of the full sequence indexed by the queries' and keys' global indices
      (dense, so for moderate lengths; see "Backends").
@@ -23,26 +24,39 @@ laid out over ``cp x sp`` ranks (cp outer, see ``data/sharding.py``); inside att
 Why all-gather of K/V and not a ring with a log-sum-exp merge: it is exact by construction
 (one softmax over the real keys, no merge of partial results), it is what Llama 3 was trained
 with and torchtitan's ``KVAllGatherCP*`` does, and it composes with any mask the local
-attention takes -- here sdpa's causal bias or a boolean mask. It costs the K/V of the whole
+attention takes -- here a lower-right causal call or a boolean mask. It costs the K/V of the whole
 sequence per layer (``S x Hkv/sp x D``, expanded to the q heads where sdpa's kernel does not
 take GQA: fp32, or a dense mask) and exposes its communication unless overlapped; a ring
 would trade that for cp steps of partial attention and a merge. The all-gather is a
 functional collective (``all_gather_single_autograd``): its backward is a reduce-scatter of
 the K/V gradients, which sums every rank's contribution into the owner of the tokens.
-Functional collectives are what ``torch.compile`` traces without a graph break, but this
-module has not been tested under compile yet.
+
+Compile and selective checkpointing: everything here is plain tensors, ints and functional
+collectives, so the trainer's per-block ``torch.compile(fullgraph=True)`` traces the module
+and selective activation checkpointing keeps the gathered K/V (``all_gather_into_tensor`` is
+in its save list: backward does not gather again) and the attention outputs;
+``tests/test_context_parallel.py`` runs both against one process. That is why the causal
+path does not use ``torch.nn.attention.bias.causal_lower_right``, as it did at first: its
+``CausalBias`` is a tensor subclass made through the legacy tensor constructor, which dynamo
+refuses (a graph break, an error under fullgraph), which fails under selective checkpointing's
+dispatch mode, and which allocates an uninitialised ``[2, S/2cp, prefix]`` fp32 tensor per call
+(up to 8 GiB of address space at 128K tokens over cp = 8). ``causal_lower_right`` runs the
+same kernel (CUDA flash, called as ``CausalBias`` calls it) or the same mask (elsewhere). What
+is given up: fp32 on CUDA, which ``CausalBias`` ran in the memory-efficient kernel without a
+mask, now takes the dense ``[S/2cp, prefix]`` mask -- fp32 is for exactness checks at short
+lengths; training runs bf16.
 
 Causal load balance: with a plain split the last cp rank's queries see every key and the
 first rank's almost none. ``data.sharding.load_balanced_order`` cuts the sequence into 2cp
 chunks and gives rank r chunks r and 2cp-1-r, which evens out the unmasked (q, k) pairs
 (``tests/test_context_parallel.py`` counts them). The mask below is built from that order.
 
-Backends: only ``sdpa`` is implemented (causal: two calls with a lower-right causal bias;
-documents: the explicit dense mask). ``flex`` would need a BlockMask whose mask_mod maps local
+Backends: only ``sdpa`` is implemented (causal: two ``causal_lower_right`` calls; documents:
+the explicit dense mask). ``flex`` would need a BlockMask whose mask_mod maps local
 query and gathered key indices to global ones through the same order (blocks of the two
-chunks stay mostly full or empty, so it stays sparse); ``flash_attn`` would need two calls per
-rank, one per chunk, each attending causally (bottom-right aligned) to the keys of the global
-prefix that ends at that chunk, as torchtitan / Llama 3 do, and cu_seqlens for documents.
+chunks stay mostly full or empty, so it stays sparse); ``flash_attn`` would need a
+``causal_lower_right`` method (``flash_attn_func(causal=True)`` aligns bottom-right when the
+query is shorter than the keys, as torchtitan / Llama 3 use it) and cu_seqlens for documents.
 Other backends are refused at construction with that explanation.
 """
 
@@ -52,7 +66,6 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.bias import causal_lower_right
 
 from titan_ulysses.data.sharding import load_balanced_order
 from titan_ulysses.distributed.ulysses import UlyssesAttention
@@ -128,8 +141,8 @@ class ContextParallelAttention(nn.Module):
         outs = []
         for i, c in enumerate((self.cp_rank, 2 * self.cp - 1 - self.cp_rank)):
             end = (c + 1) * chunk
-            outs.append(self.local_attention(
-                q[:, i * chunk:(i + 1) * chunk], k[:, :end], v[:, :end], causal_lower_right(chunk, end), *args, **kwargs
+            outs.append(self.local_attention.causal_lower_right(  # [B, S/2cp, Hq, D]
+                q[:, i * chunk:(i + 1) * chunk], k[:, :end], v[:, :end], *args, **kwargs
             ))
         return torch.cat(outs, dim=1)
 

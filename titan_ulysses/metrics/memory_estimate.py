@@ -39,7 +39,8 @@ Context parallelism (cp > 1, ``distributed/context_parallel.py``) adds, per laye
 values each of a rank's two chunks attends to: the prefixes of the gathered K/V that end with
 the chunk, ``(2cp + 1) / 2cp`` of the sequence together: ``a r kv (2cp + 1)`` per local token in
 bf16 (the flash kernel takes GQA), ``a q (2cp + 1)`` in fp32 (expanded to the q heads), kept for
-backward (recomputed under full AC); the attention working set grows by their gradients.
+backward (recomputed under full AC; selective AC keeps the all-gathered K/V they are cut
+from instead, ``2 a cp r kv``); the attention working set grows by their gradients.
 Parameters shard over dp_shard x cp x sp. Not modelled: the dense boolean mask of packed
 documents (``S x S / cp`` bytes per layer with cp; ``B x S x S`` for any sdpa document mask).
 """
@@ -119,8 +120,8 @@ def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: st
     # the output projection's input: its own buffer after the return all-to-all; without
     # Ulysses a view of the attention output (kernels write it [B, S, H, Dh]), counted above
     wo_input = a * q if layout.sp > 1 else 0
-    if layout.cp > 1:
-        attention += _cp_kv_per_token(args, layout, s)
+    if layout.cp > 1:  # selective AC keeps the all-gather's output and recomputes the prefixes cut from it
+        attention += a * 2 * layout.cp * r * kv if mode == "selective" else _cp_kv_per_token(args, layout, s)
     if mode in ("full", "full_offload"):
         return a * d if mode == "full" else 0.0
     if mode == "selective":

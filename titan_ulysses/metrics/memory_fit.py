@@ -45,9 +45,12 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
     preferred (its all-to-all moves less than cp's all-gather, and it keeps no gathered K/V);
     where the heads do not allow ulysses_degree n, the largest Ulysses degree they allow is
     combined with context_parallel_degree n / sp (the overrides then name both).
+    Context parallelism runs on ``model.attn_backend`` sdpa only (``distributed/context_parallel.py``):
+    with another backend (``args.attn_backend``) a split with cp > 1 comes after every split
+    that keeps the backend, and its overrides name ``--model.attn_backend sdpa``.
     FSDP CPU offload (the last switch) moves every parameter over PCIe each step, which
-    costs far more than a larger degree inside a node: it is tried only when no degree fits
-    without it.
+    costs far more than a larger degree inside a node or the backend change: it is tried
+    only when nothing fits without it.
     """
     def heads_allow(sp: int) -> bool:
         try:
@@ -57,18 +60,22 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
             return False
 
     ranks = world // layout.tp
-    splits = []  # (sp, cp) per number of ranks per sequence
+    keep, to_sdpa = [], []  # (sp, cp, layout overrides): splits that keep the backend, and those that need sdpa
     for n in (n for n in range(1, ranks + 1) if ranks % n == 0):
         sp = max(s for s in range(1, n + 1) if n % s == 0 and heads_allow(s))
         cp = n // sp
-        if seq_len % (sp if cp == 1 else 2 * cp * sp) == 0:
-            splits.append((sp, cp))
+        if seq_len % (sp if cp == 1 else 2 * cp * sp):
+            continue
+        flags = [f"--parallelism.ulysses_degree {sp}"]
+        if cp > 1 or layout.cp > 1:
+            flags.append(f"--parallelism.context_parallel_degree {cp}")
+        if cp > 1 and args.attn_backend != "sdpa":
+            to_sdpa.append((sp, cp, [*flags, "--model.attn_backend sdpa"]))
+        else:
+            keep.append((sp, cp, flags))
     for order in (SWITCH_ORDER[:-1], SWITCH_ORDER):
-        for sp, cp in splits:
+        for sp, cp, flags in keep + to_sdpa:
             trial = Layout(dp_shard=world // (sp * cp * layout.tp), sp=sp, tp=layout.tp, cp=cp)
-            flags = [f"--parallelism.ulysses_degree {sp}"]
-            if cp > 1 or layout.cp > 1:
-                flags.append(f"--parallelism.context_parallel_degree {cp}")
             sw, overrides = switches, {}
             for i in range(len(order) + 1):
                 if i:

@@ -10,6 +10,9 @@ softmax scale (``None``: ``1/sqrt(D)``).
 * ``sdpa``: ``F.scaled_dot_product_attention``; on CUDA it dispatches to FlashAttention
   or cuDNN kernels. Document masking materialises a dense [B, 1, S, S] mask, so use it
   only at short lengths; ``flex`` is the long-context path for packed documents.
+  Its ``causal_lower_right(q, k, v)`` (queries shorter than the keys, the causal diagonal
+  bottom-right) is what context parallelism calls per chunk; a backend that cp should run
+  on needs that method too.
 * ``flex``: FlexAttention with a BlockMask (causal, or causal within documents).
 * ``flash_attn``: the flash-attn package (CUDA only, optional extra); document masking
   through its varlen kernel with cumulative sequence lengths.
@@ -20,22 +23,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import CausalBias
 
 BACKENDS = ("sdpa", "flex", "flash_attn")
+
+
+def _cuda_needs_kv_expanded(q, k, dense_mask: bool) -> bool:
+    """On CUDA only the flash kernel takes GQA (enable_gqa) natively; with a mask or in fp32 the
+    memory-efficient / cuDNN kernels need as many kv heads as q heads, and without them SDPA
+    falls back to the math kernel, which materialises [B, H, S, S] scores (seen on an H200).
+    CPU kernels take enable_gqa as they are."""
+    return q.shape[2] != k.shape[2] and q.is_cuda and (dense_mask or q.dtype not in (torch.bfloat16, torch.float16))
+
+
+def _expand_kv(q, k, v):
+    """``k, v: [B, S, Hkv, D] -> [B, S, Hq, D]`` (kv head j serves q heads j*rep ... j*rep+rep-1)."""
+    return (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
+
+
+def _flash_lower_right(q) -> bool:
+    """Whether the lower-right causal path below runs PyTorch's flash kernel for ``q: [B, H, L, D]``.
+
+    Decided from dtype, device and head size alone (the flash kernel's limits, on the Ampere
+    or newer GPUs this project targets): ``torch.backends.cuda.can_use_flash_attention`` needs
+    an ``SDPAParams``, which dynamo cannot build under ``fullgraph=True``.
+    """
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
 
 class SDPAAttention(nn.Module):
     def forward(self, q, k, v, attention_mask=None, scale=None):
         gqa = q.shape[2] != k.shape[2]
-        dense_mask = attention_mask is not None and not isinstance(attention_mask, CausalBias)
-        if gqa and q.is_cuda and (dense_mask or q.dtype not in (torch.bfloat16, torch.float16)):
-            # On CUDA only the flash kernel takes GQA (enable_gqa) natively; with a mask or in
-            # fp32 the memory-efficient / cuDNN kernels need as many kv heads as q heads, and
-            # without them SDPA falls back to the math kernel, which materialises [B, H, S, S]
-            # scores (seen on an H200). CPU kernels take enable_gqa as they are. A causal bias
-            # (context parallelism's lower-right causal) runs in the flash kernel.
-            k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
+        if _cuda_needs_kv_expanded(q, k, attention_mask is not None):
+            k, v = _expand_kv(q, k, v)
             gqa = False
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
         if attention_mask is None:
@@ -45,6 +64,34 @@ class SDPAAttention(nn.Module):
                 q, k, v, attn_mask=attention_mask, scale=scale, enable_gqa=gqa
             )
         return out.transpose(1, 2)  # [B, S, H, D]
+
+    def causal_lower_right(self, q, k, v, scale=None):
+        """Causal attention of the last ``Lq`` tokens of an ``Lk``-token prefix, the diagonal aligned bottom-right.
+
+        ``q: [B, Lq, Hq, D]``, ``k, v: [B, Lk, Hkv, D]`` with ``Lq <= Lk``: query ``i`` sees keys
+        ``0 .. i + Lk - Lq``. Context parallelism calls it for each chunk of a rank's queries
+        against the gathered keys up to the chunk's end (``distributed/context_parallel.py``).
+
+        Plain tensors and ints only, so that selective activation checkpointing and
+        ``torch.compile(fullgraph=True)`` take it (``torch.nn.attention.bias.causal_lower_right``
+        does neither: its ``CausalBias`` is a tensor subclass built through the legacy
+        constructor, which dynamo refuses and which fails under a dispatch mode -- and it
+        allocates an uninitialised ``[2, Lq, Lk]`` fp32 tensor on every call).
+
+        * CUDA, bf16/fp16, head size a multiple of 8 up to 256: PyTorch's flash kernel, no mask. Its
+          ``is_causal`` aligns the diagonal bottom-right when ``Lq != Lk`` (FlashAttention 2's
+          convention); sdpa's front end refuses flash for non-square causal attention, so the
+          aten op is called directly, as ``CausalBias`` does. It takes GQA as is.
+        * elsewhere (CPU, fp32): sdpa with an explicit ``[Lq, Lk]`` boolean mask built from the
+          two lengths -- what ``CausalBias`` materialises there too, so the numbers are the same.
+        """
+        lq, lk = q.shape[1], k.shape[1]
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
+        if _flash_lower_right(qt):
+            out = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True, False, scale=scale)[0]
+            return out.transpose(1, 2)  # [B, Lq, Hq, D]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)  # [Lq, Lk]
+        return self.forward(q, k, v, mask, scale)
 
 
 def _causal(b, h, q_idx, kv_idx):

@@ -49,9 +49,6 @@ def parallelize_llama(
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"))
     if parallel_dims.cp_enabled:  # inside Ulysses: heads are exchanged within sp, then K/V gathered over cp
-        if options.ac_mode == "selective":
-            raise ValueError("selective activation checkpointing does not work with context parallelism (its "
-                             "dispatch mode cannot handle sdpa's causal-bias tensor); use ac_mode 'full'")
         apply_cp(model, parallel_dims.get_mesh("cp"))
     if parallel_dims.sp_enabled:
         apply_ulysses(model, parallel_dims.get_mesh("sp"))
