@@ -169,21 +169,19 @@ def test_cp_refusals_name_the_settings():
 def test_heads_ulysses_cannot_split_name_the_cp_splits_that_work():
     from titan_ulysses.distributed.ulysses import check_heads
 
-    # the layout of the cp2-sp2-6heads case, asked of Ulysses alone
-    with pytest.raises(ValueError, match=r"n_heads 6 is not divisible by ulysses_degree x tensor_parallel_degree = 4 x 1; "
-                                         r".*to split each sequence over 4 ranks, use ulysses_degree x "
-                                         r"context_parallel_degree = 2 x 2, 1 x 4$"):
-        check_heads(6, 1, sp=4, tp=1)
-    check_heads(6, 1, sp=2, tp=1, cp=2)
-    # Qwen2.5-7B: 28 heads, 4 kv heads, cannot run at ulysses_degree 8
-    with pytest.raises(ValueError, match=r"over 8 ranks, use ulysses_degree x context_parallel_degree = 4 x 2, 2 x 4, 1 x 8"):
-        check_heads(28, 4, sp=8, tp=1)
-    check_heads(28, 4, sp=4, tp=1, cp=2)
+    # more ranks per sequence than heads: Ulysses alone cannot, cp x sp can (even splits named first)
+    with pytest.raises(ValueError, match=r"ulysses_degree 8 is larger than the 6 attention heads .*; to split each "
+                                         r"sequence over 8 ranks, use ulysses_degree x context_parallel_degree = "
+                                         r"2 x 4, 1 x 8$"):
+        check_heads(6, 1, sp=8, tp=1)
+    check_heads(6, 1, sp=2, tp=1, cp=4)
+    check_heads(28, 4, sp=4, tp=1, cp=2)  # Qwen2.5-7B over 8 ranks, evenly (sp=8 also works, unevenly)
     # the config names the settings (debugmodel: 16 heads)
-    with pytest.raises(ConfigError, match=r"^parallelism.ulysses_degree / tensor_parallel_degree: n_heads 16 .*to split "
-                                          r"each sequence over 6 ranks, use ulysses_degree x context_parallel_degree = 2 x 3"):
-        validate(load_config(["--config", "train_configs/debug_model.toml", "--parallelism.ulysses_degree", "3",
-                              "--parallelism.context_parallel_degree", "2", "--training.seq_len", "1200"]), 6)
+    with pytest.raises(ConfigError, match=r"^parallelism.ulysses_degree / tensor_parallel_degree: ulysses_degree 32 "
+                                          r".*to split each sequence over 64 ranks, use ulysses_degree x "
+                                          r"context_parallel_degree = 16 x 4, 8 x 8"):
+        validate(load_config(["--config", "train_configs/debug_model.toml", "--parallelism.ulysses_degree", "32",
+                              "--parallelism.context_parallel_degree", "2", "--training.seq_len", "2048"]), 64)
 
 
 def test_cp_refuses_backends_it_does_not_implement():
