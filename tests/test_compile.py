@@ -15,12 +15,12 @@ from titan_ulysses.distributed.ulysses import apply_ulysses
 from titan_ulysses.models.llama.model import Transformer
 
 
-def _compiled_block_matches_eager():
+def _compiled_block_matches_eager(overrides):
     pd = ParallelDims(sp=2, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
     sp_mesh = pd.get_mesh("sp")
     torch.manual_seed(0)
-    args = small_args(n_layers=1, n_kv_heads=1)  # kv replication inside the compiled graph too
+    args = small_args(n_layers=1, **overrides)
     model = Transformer(args)
     model.init_weights()
     eager, twin = model.layers["0"], copy.deepcopy(model.layers["0"])
@@ -47,8 +47,12 @@ def _compiled_block_matches_eager():
         assert_close(c_grads[name], g, f"compiled grad {name}", rtol=1e-4, atol=1e-5)
 
 
-def test_compiled_ulysses_block_matches_eager():
-    run_distributed(_compiled_block_matches_eager, 2)
+@pytest.mark.parametrize("overrides", [
+    dict(n_kv_heads=1),  # kv replication inside the compiled graph too
+    dict(dim=72, n_heads=9, n_kv_heads=3),  # uneven: q heads 5/4, all-to-all with split sizes, kv expanded on rank 0
+], ids=["kv1-replicated", "9heads-kv3-uneven"])
+def test_compiled_ulysses_block_matches_eager(overrides):
+    run_distributed(_compiled_block_matches_eager, 2, overrides)
 
 
 def _compiled_memory_switches_match_eager(ac_mode, float8):

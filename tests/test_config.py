@@ -58,9 +58,10 @@ def test_bad_toml_types(tmp_path):
 @pytest.mark.parametrize("argv,world,message", [
     (["--parallelism.ulysses_degree", "2", "--parallelism.data_parallel_shard_degree", "2"], 8,
      r"parallelism: .* = 4, but the world size is 8"),
-    (["--parallelism.ulysses_degree", "3"], 3, r"n_heads 16 is not divisible by ulysses_degree x tensor_parallel_degree = 3 x 1; .*\[1, 2, 4, 8, 16\]"),
+    (["--parallelism.ulysses_degree", "32", "--training.seq_len", "2048"], 32,
+     r"ulysses_degree 32 is larger than the 16 attention heads .*ulysses_degree can be at most 16; .*= 16 x 2, 8 x 4"),
     (["--parallelism.ulysses_degree", "3", "--training.seq_len", "1000", "--model.flavor", "debugmodel_gqa1"], 3,
-     r"n_heads 16 is not divisible"),
+     r"training.seq_len: seq_len 1000 is not divisible by ulysses_degree 3"),  # 16 heads over 3 ranks: unevenly
     (["--parallelism.ulysses_degree", "4", "--training.seq_len", "1001"], 4, r"training.seq_len: seq_len 1001 is not divisible by ulysses_degree 4; use seq_len 1000 or 1004"),
     (["--training.global_batch_size", "6", "--training.local_batch_size", "4"], 1, r"training.global_batch_size 6 must be a positive multiple"),
     (["--training.dataset", "text"], 1, r"training.dataset 'text' needs training.dataset_path"),

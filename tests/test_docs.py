@@ -39,8 +39,9 @@ def test_every_guide_command_runs(tmp_path):
 
 TROUBLES = [  # (arguments, world size); each error's text must be quoted in the guide's table
     (["--config", "train_configs/debug_model.toml", "--training.seq_len", "1001"], 2),
-    (["--config", "train_configs/debug_model.toml", "--parallelism.ulysses_degree", "3"], 3),
-    (["--config", "train_configs/llama3_1b_long.toml", "--model.flavor", "3B", "--parallelism.ulysses_degree", "3"], 3),
+    (["--config", "train_configs/debug_model.toml", "--parallelism.ulysses_degree", "32"], 32),
+    (["--config", "train_configs/llama3_1b_long.toml", "--model.flavor", "3B", "--parallelism.ulysses_degree", "1",
+      "--parallelism.tensor_parallel_degree", "3"], 3),
     (["--config", "train_configs/debug_model.toml"], 1),
     (["--config", "train_configs/debug_model.toml", "--training.seq_lenn", "1024"], 2),
     (["--config", "train_configs/debug_model.toml", "--optimizer.lr", "nan"], 2),

@@ -62,7 +62,8 @@ def _compare(layout: dict, ac_mode: str, microbatches: int, model_overrides: dic
             s_local = logits[0].shape[1]
             start = pd.get_mesh("sp").get_local_rank() * s_local
             n_real = max(0, min(SEQ_LEN - start, s_local))
-            assert_close(logits[0][:, :n_real], ref_logits[:, start : start + n_real], "logits")
+            if n_real:  # at sp=8 the last rank holds only padding (13 tokens -> 16)
+                assert_close(logits[0][:, :n_real], ref_logits[:, start : start + n_real], "logits")
 
         grads = {clean_name(n): full(p.grad) for n, p in model.named_parameters()}
         assert grads.keys() == ref_params.keys()
@@ -96,6 +97,10 @@ CASES = {
     "sp2-tp2-tiled-mlp": (4, dict(sp=2, tp=2), "none", 1, dict(mlp_tile_size=3)),
     "sp2-ac-full-tiled-mlp": (2, dict(sp=2), "full", 1, dict(mlp_tile_size=2)),
     "dp_shard2-sp2-ac-selective": (4, dict(dp_shard=2, sp=2), "selective", 1, {}),
+    # head counts Ulysses does not divide (distributed/heads.py): q heads 6/5/5 straddling kv groups
+    "sp3-16heads-kv4-uneven": (3, dict(sp=3), "none", 1, dict(n_heads=16, n_kv_heads=4)),
+    # a miniature of Qwen2.5-7B at sp=8: 28 heads (4,3,4,3,...), 4 kv heads each sent to two ranks
+    "sp8-28heads-kv4-uneven": (8, dict(sp=8), "none", 1, dict(dim=112, n_heads=28, n_kv_heads=4, n_layers=1)),
 }
 
 

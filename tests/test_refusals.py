@@ -32,13 +32,16 @@ def test_mesh_needs_building_first():
         ParallelDims(world_size=1).get_mesh("sp")
 
 
-def test_heads_not_divisible_names_working_degrees():
-    with pytest.raises(ValueError, match=r"n_heads 16 is not divisible by ulysses_degree x tensor_parallel_degree = 3 x 1; .*ulysses_degree can be one of \[1, 2, 4, 8, 16\]"):
-        check_heads(16, 4, sp=3, tp=1)
+def test_heads_that_cannot_be_laid_out_name_working_degrees():
+    with pytest.raises(ValueError, match=r"ulysses_degree 32 is larger than the 16 attention heads per tensor-parallel "
+                                         r"rank .*ulysses_degree can be at most 16; .*16 x 2, 8 x 4"):
+        check_heads(16, 4, sp=32, tp=1)
     with pytest.raises(ValueError, match=r"n_kv_heads 4 is not divisible by tensor_parallel_degree 8"):
         check_heads(32, 4, sp=1, tp=8)
-    with pytest.raises(ValueError, match=r"6 kv heads per tensor-parallel rank neither divide nor are divided by ulysses_degree 4"):
-        check_heads(24, 6, sp=4, tp=1)
+    with pytest.raises(ValueError, match=r"n_heads 12 is not divisible by tensor_parallel_degree 8"):
+        check_heads(12, 4, sp=1, tp=8)
+    check_heads(16, 4, sp=3, tp=1)  # uneven head counts are split unevenly (tests/test_uneven_heads.py)
+    check_heads(24, 6, sp=4, tp=1)
 
 
 def test_kv_heads_fewer_than_sp_are_replicated_not_refused():

@@ -29,6 +29,7 @@ from titan_ulysses.data.build import build_data
 from titan_ulysses.data.sharding import shard_loader_batch
 from titan_ulysses.data.tokenizer import build_tokenizer
 from titan_ulysses.distributed.float8 import precompute_float8_scales
+from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, global_token_count, load_full_state_dict
 from titan_ulysses.distributed.watchdog import exit_with_launcher, set_timeouts
@@ -250,7 +251,8 @@ class Trainer:
                 f"({self.accumulation_steps} microbatch(es)), device {self.device.type}, starting at step {self.step}"
                 + resumed
                 + (f"\nFAKE process group: rank 0 of {dist.get_world_size()}; memory and compute are real, "
-                   f"losses are not" if self.fake else ""),
+                   f"losses are not" if self.fake else "")
+                + "".join(f"\nnote: {n}" for n in [uneven_note(self.args.n_heads, self.args.n_kv_heads, pd.sp, pd.tp)] if n),
                 flush=True,
             )
 

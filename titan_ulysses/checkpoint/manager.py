@@ -183,15 +183,12 @@ class CheckpointManager:
             timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
             self._pg = dist.new_group(backend="gloo", timeout=timeout)
         if enable and async_mode == "async_with_pinned_mem":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from titan_ulysses.checkpoint.staging import ReusableStager
 
             # One stager for the whole run: its host buffers (pinned when CUDA is there) are
             # allocated at the first save and reused, so later saves only pay the copy.
             # Staging is synchronous; the write runs in the background.
-            self._stager = DefaultStager(StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-                use_async_staging=False, use_non_blocking_copy=False,
-            ))
+            self._stager = ReusableStager(pinned=torch.cuda.is_available())
 
     @property
     def group(self):

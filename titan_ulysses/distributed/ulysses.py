@@ -13,6 +13,11 @@ so ``torch.compile(fullgraph=True)`` traces them without a graph break.
 GQA: when the (tensor-parallel-local) kv head count is smaller than P and divides it,
 kv heads are replicated up to P before the exchange, so that the SP degree is not
 capped by the number of kv heads. Autograd sums the gradients of the replicas.
+
+Head counts P does not divide (Qwen2.5-7B's 28 heads at P=8, 16 heads at P=3) take the
+uneven exchange: ranks get head counts that differ by one, and each receives the kv heads
+its q heads use (``heads.py`` says which); the all-to-all then has split sizes, still one
+functional collective each way.
 """
 
 from __future__ import annotations
@@ -23,68 +28,10 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_ulysses.distributed.heads import HeadPlan, check_heads, head_plan, is_even, kv_replication_factor
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def kv_replication_factor(n_heads: int, n_kv_heads: int, sp: int) -> int:
-    """How many times each kv head is repeated before the exchange (1 = none).
-
-    ``n_heads`` and ``n_kv_heads`` are the counts seen by one tensor-parallel rank.
-    """
-    if n_heads % sp != 0:
-        raise ValueError(f"{n_heads} attention heads cannot be split over ulysses_degree {sp}")
-    if n_kv_heads % sp == 0:
-        return 1
-    if sp % n_kv_heads == 0:
-        return sp // n_kv_heads
-    raise ValueError(
-        f"{n_kv_heads} kv heads cannot be split over ulysses_degree {sp}: "
-        f"ulysses_degree must divide the kv head count or be a multiple of it"
-    )
-
-
-def check_heads(n_heads: int, n_kv_heads: int, sp: int, tp: int, cp: int = 1) -> None:
-    """Refuse head/degree combinations that cannot be laid out, naming the degrees that work.
-
-    Besides the Ulysses and tensor-parallel degrees that work, the message names the splits
-    ``ulysses_degree x context_parallel_degree`` that keep the sequence over as many ranks
-    (``sp x cp``): context parallelism does not split heads, so it takes over what the head
-    count refuses Ulysses. Pure arithmetic: call it before any process group exists.
-    """
-
-    def works(s: int, t: int) -> bool:
-        if n_heads % (s * t) or n_kv_heads % t:
-            return False
-        local_kv = n_kv_heads // t
-        return local_kv % s == 0 or s % local_kv == 0
-
-    if works(sp, tp):
-        return
-    good_sp = [s for s in _divisors(n_heads) if works(s, tp)]
-    good_tp = [t for t in _divisors(n_heads) if works(sp, t)]
-    reason = []
-    if n_heads % (sp * tp):
-        reason.append(
-            f"n_heads {n_heads} is not divisible by ulysses_degree x tensor_parallel_degree = {sp} x {tp}"
-        )
-    elif n_kv_heads % tp:
-        reason.append(f"n_kv_heads {n_kv_heads} is not divisible by tensor_parallel_degree {tp}")
-    else:
-        reason.append(
-            f"the {n_kv_heads // tp} kv heads per tensor-parallel rank neither divide nor are "
-            f"divided by ulysses_degree {sp}"
-        )
-    hint = f"with tensor_parallel_degree {tp}, ulysses_degree can be one of {good_sp}"
-    if good_tp:
-        hint += f"; with ulysses_degree {sp}, tensor_parallel_degree can be one of {good_tp}"
-    ranks = sp * cp  # ranks per sequence; the splits of it that the heads allow, most Ulysses first
-    splits = [(s, ranks // s) for s in reversed(_divisors(ranks)) if works(s, tp) and s < ranks]
-    if splits:
-        hint += (f"; to split each sequence over {ranks} ranks, use ulysses_degree x context_parallel_degree = "
-                 + ", ".join(f"{s} x {c}" for s, c in splits))
-    raise ValueError(f"{reason[0]}; {hint}")
+__all__ = ["UlyssesAttention", "apply_ulysses", "check_heads", "head_to_seq", "kv_replication_factor", "seq_to_head",
+           "seq_to_head_uneven", "head_to_seq_uneven"]
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -117,6 +64,43 @@ def head_to_seq(x: torch.Tensor, group, sp: int) -> torch.Tensor:
     return received.permute(1, 2, 0, 3, 4).reshape(b, s_local, sp * h_local, d)
 
 
+def seq_to_head_uneven(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: HeadPlan, group, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, S/P, H, D] -> [B, S, H_r, D] for q, k and v, where rank r's heads are ``plan.q[r]`` / ``plan.kv[r]``.
+
+    Every rank sends rank r its tokens of r's heads (a kv head that two ranks use goes to
+    both), so the input splits differ per destination and the output splits are equal.
+    """
+    b, s_local, _, d = q.shape
+    sp = len(plan.q)
+    per_head = b * s_local * d
+    chunks = []  # one flat block per destination: [B, S/P, nq_r + 2 nkv_r, D]
+    for (a, e), (ka, kb) in zip(plan.q, plan.kv):
+        chunks.append(torch.cat([q[:, :, a:e], k[:, :, ka:kb], v[:, :, ka:kb]], dim=2).reshape(-1))
+    sizes = [(nq + 2 * nkv) * per_head for nq, nkv in zip(plan.q_counts, plan.kv_counts)]
+    n_q, n_kv = plan.q_counts[rank], plan.kv_counts[rank]
+    mine = n_q + 2 * n_kv
+    received = funcol.all_to_all_single_autograd(torch.cat(chunks), [mine * per_head] * sp, sizes, group)
+    full = received.view(sp, b, s_local, mine, d).permute(1, 0, 2, 3, 4).reshape(b, sp * s_local, mine, d)
+    q, k, v = full.split([n_q, n_kv, n_kv], dim=2)  # [B, S, n_q | n_kv | n_kv, D]
+    return q, k, v
+
+
+def head_to_seq_uneven(x: torch.Tensor, plan: HeadPlan, group) -> torch.Tensor:
+    """[B, S, H_r, D] (rank r's heads) -> [B, S/P, H, D]: equal input splits, output splits by the senders' heads."""
+    b, s, h_local, d = x.shape
+    sp = len(plan.q)
+    s_local = s // sp
+    x = x.reshape(b, sp, s_local, h_local, d).permute(1, 0, 2, 3, 4).reshape(-1)  # [P(dst), B, S/P, H_r, D]
+    per_head = b * s_local * d
+    received = funcol.all_to_all_single_autograd(
+        x, [n * per_head for n in plan.q_counts], [h_local * per_head] * sp, group
+    )
+    blocks = received.split([n * per_head for n in plan.q_counts])  # from rank j: [B, S/P, H_j, D]
+    return torch.cat([blk.view(b, s_local, n, d) for blk, n in zip(blocks, plan.q_counts)], dim=2)
+
+
 class UlyssesAttention(nn.Module):
     """Wraps any local attention ``fn(q, k, v, *args, **kwargs) -> out`` with the Ulysses exchanges.
 
@@ -142,6 +126,7 @@ class UlyssesAttention(nn.Module):
             raise ValueError(f"UlyssesAttention needs a 1-D sp mesh, got {sp_mesh.ndim} dims")
         self.local_attention = local_attention
         self.sp = sp_mesh.size()
+        self.rank = sp_mesh.get_local_rank()
         self.group = sp_mesh.get_group()
         self._can_check = self.sp > 1 and dist.get_backend(self.group) != "fake"  # fake collectives return nothing
 
@@ -164,6 +149,8 @@ class UlyssesAttention(nn.Module):
         if self.sp == 1:
             return self.local_attention(q, k, v, *args, **kwargs)
         self._check_slice(q)
+        if not is_even(q.shape[2], k.shape[2], self.sp):
+            return self._uneven(q, k, v, *args, **kwargs)
         rep = kv_replication_factor(q.shape[2], k.shape[2], self.sp)
         if rep > 1:
             # kv head j serves q heads of ranks j*rep ... j*rep+rep-1: after the exchange
@@ -173,6 +160,16 @@ class UlyssesAttention(nn.Module):
         q, k, v = seq_to_head([q, k, v], self.group, self.sp)  # [B, S, H/P, D]
         out = self.local_attention(q, k, v, *args, **kwargs)  # [B, S, Hq/P, D]
         return head_to_seq(out, self.group, self.sp)  # [B, S/P, Hq, D]
+
+    def _uneven(self, q, k, v, *args, **kwargs):
+        plan = head_plan(q.shape[2], k.shape[2], self.sp)
+        q, k, v = seq_to_head_uneven(q, k, v, plan, self.group, self.rank)  # [B, S, H_r, D]
+        index = plan.kv_index(self.rank)
+        if index is not None:  # q heads that straddle kv groups unevenly: one kv head per q head
+            at = torch.tensor(index, device=k.device)
+            k, v = k.index_select(2, at), v.index_select(2, at)
+        out = self.local_attention(q, k, v, *args, **kwargs)  # [B, S, Hq_r, D]
+        return head_to_seq_uneven(out, plan, self.group)  # [B, S/P, Hq, D]
 
     def extra_repr(self) -> str:
         return f"sp={self.sp}"

@@ -3,7 +3,7 @@ from measured compute (fake-process-group simulation, see docs/simulation.md).""
 
 from __future__ import annotations
 
-from titan_ulysses.distributed.ulysses import kv_replication_factor
+from titan_ulysses.distributed.heads import attended_heads, exchanged_kv_heads
 from titan_ulysses.models.llama.args import LlamaArgs
 
 
@@ -19,7 +19,7 @@ def ulysses_bytes_per_step(args: LlamaArgs, seq_len: int, tokens_batch: int, sp:
     if sp == 1:
         return 0.0
     hq, hkv = args.n_heads // tp, args.n_kv_heads // tp
-    hkv *= kv_replication_factor(hq, hkv, sp)
+    hkv = exchanged_kv_heads(hq, hkv, sp)  # after replication, or each kv head to every rank that uses it
     local_tokens = tokens_batch * seq_len / (sp * cp)
     per_exchange = local_tokens * args.head_dim * dtype_bytes * (sp - 1) / sp
     forward = per_exchange * (hq + 2 * hkv) + per_exchange * hq
@@ -32,14 +32,13 @@ def context_parallel_bytes_per_step(args: LlamaArgs, seq_len: int, tokens_batch:
     """Bytes one rank sends over the cp group's links in one optimizer step.
 
     Per layer, the forward all-gathers K and V: after Ulysses' exchange a rank holds
-    ``S / cp`` tokens of ``r x Hkv / sp`` kv heads (r: Ulysses' kv replication), and a ring
-    all-gather sends ``cp - 1`` such blocks. The backward reduce-scatters the K/V gradients
+    ``S / cp`` tokens of ``r x Hkv / sp`` kv heads (r: Ulysses' kv replication; uneven head
+    splits: the busiest rank's kv heads as attended), and a ring all-gather sends ``cp - 1`` such blocks. The backward reduce-scatters the K/V gradients
     (the same volume); full activation checkpointing repeats the forward gather.
     """
     if cp == 1:
         return 0.0
-    hq, hkv = args.n_heads // tp, args.n_kv_heads // tp
-    hkv *= kv_replication_factor(hq, hkv, sp)
-    local_kv = tokens_batch * seq_len / cp * 2 * (hkv / sp) * args.head_dim * dtype_bytes
+    _, _, kv_heads = attended_heads(args.n_heads // tp, args.n_kv_heads // tp, sp)  # busiest sp rank's
+    local_kv = tokens_batch * seq_len / cp * 2 * kv_heads * args.head_dim * dtype_bytes
     passes = 3 if recompute_forward else 2
     return args.n_layers * (cp - 1) * local_kv * passes

@@ -3,7 +3,9 @@
 Notation, per rank: T = B x S / (cp x sp) local tokens; a = bytes of an activation (the FSDP
 compute dtype: 2 for bf16, 4 for fp32); D model dim; q = Hq x Dh / tp and kv = Hkv x Dh / tp
 the local q and kv widths; r the kv replication factor of Ulysses; F = ffn_hidden / tp;
-V vocabulary; N layers.
+V vocabulary; N layers. Where Ulysses splits the heads unevenly (``distributed/heads.py``),
+the attention terms below are those of the busiest rank: ``q`` and ``r kv`` become its
+heads times sp, and a rank that expands its kv heads to one per q head keeps both copies.
 
 What autograd keeps per layer and local token without activation checkpointing, read off
 ``models/llama/model.py`` (bytes):
@@ -49,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from titan_ulysses.distributed.ulysses import kv_replication_factor
+from titan_ulysses.distributed.heads import attended_heads
 from titan_ulysses.models.llama.args import LlamaArgs
 
 GIB = 1024**3
@@ -97,31 +99,39 @@ class Estimate:
         return {**asdict(self), "total": self.total}
 
 
-def _widths(args: LlamaArgs, layout: Layout) -> tuple[int, int, int, int, int]:
+def _widths(args: LlamaArgs, layout: Layout) -> tuple[int, int, int, int, int, int, int]:
+    """(D, q, kv, the attended widths qa, kva_held, kva, F) per local token.
+
+    q, kv: the projections' widths on a tp rank. qa, kva: the q and kv widths the busiest sp
+    rank attends with over the whole sequence, per local token (``heads x sp x Dh``; even
+    splits: q and r kv); kva_held adds the received kv heads where a rank expands them.
+    """
     q = args.n_heads * args.head_dim // layout.tp
     kv = args.n_kv_heads * args.head_dim // layout.tp
-    r = kv_replication_factor(args.n_heads // layout.tp, args.n_kv_heads // layout.tp, layout.sp)
-    return args.dim, q, kv, r, args.ffn_hidden_dim // layout.tp
+    n_q, n_kv_in, n_kv = attended_heads(args.n_heads // layout.tp, args.n_kv_heads // layout.tp, layout.sp)
+    per_head = layout.sp * args.head_dim
+    held = n_kv + (n_kv_in if n_kv != n_kv_in else 0)
+    return args.dim, q, kv, n_q * per_head, held * per_head, n_kv * per_head, args.ffn_hidden_dim // layout.tp
 
 
 def _cp_kv_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
     """Bytes per local token of the K/V prefixes a cp rank's two chunks attend to (see above)."""
-    _, q, kv, r, _ = _widths(args, layout)
-    width = r * kv if s.act_bytes == 2 else q  # bf16: flash takes GQA; fp32: expanded to the q heads
+    _, _, _, qa, _, kva, _ = _widths(args, layout)
+    width = kva if s.act_bytes == 2 else qa  # bf16: flash takes GQA; fp32: expanded to the q heads
     return s.act_bytes * width * (2 * layout.cp + 1)
 
 
 def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: str = "none") -> float:
     """Bytes one layer keeps for backward per local token under AC ``mode``."""
-    d, q, kv, r, f = _widths(args, layout)
+    d, q, kv, qa, kva_held, kva, f = _widths(args, layout)
     a = s.act_bytes
-    heads = args.n_heads // layout.tp
-    attention = a * (q + 2 * r * kv) + a * q + 4 * heads
+    heads = qa // args.head_dim  # busiest rank's q heads x sp
+    attention = a * (qa + 2 * kva_held) + a * qa + 4 * heads
     # the output projection's input: its own buffer after the return all-to-all; without
     # Ulysses a view of the attention output (kernels write it [B, S, H, Dh]), counted above
     wo_input = a * q if layout.sp > 1 else 0
     if layout.cp > 1:  # selective AC keeps the all-gather's output and recomputes the prefixes cut from it
-        attention += a * 2 * layout.cp * r * kv if mode == "selective" else _cp_kv_per_token(args, layout, s)
+        attention += a * 2 * layout.cp * kva if mode == "selective" else _cp_kv_per_token(args, layout, s)
     if mode in ("full", "full_offload"):
         return a * d if mode == "full" else 0.0
     if mode == "selective":
@@ -135,7 +145,7 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     """The memory of one rank for a step of ``local_batch`` sequences of ``seq_len`` tokens."""
     s, a = switches, switches.act_bytes
     tokens = local_batch * seq_len / (layout.sp * layout.cp)  # T
-    d, q, kv, r, f = _widths(args, layout)
+    d, q, kv, qa, kva_held, _, f = _widths(args, layout)
     block = 2 * d * (q + kv) + 3 * d * f + 2 * d  # one block's parameters on a tp rank
     other = args.vocab_size * d * (1 if args.tie_embeddings else 2) + d
     shard = (args.n_layers * block + other) / (layout.dp_shard * layout.cp * layout.sp)
@@ -151,7 +161,7 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
         host += args.n_layers * a * d * tokens
     recompute = 0.0 if s.ac_mode == "none" else layer_bytes_per_token(args, layout, s, "none") * tokens
     cp_kv = _cp_kv_per_token(args, layout, s) * tokens if layout.cp > 1 else 0.0  # and as much of their gradients
-    attention_ws = 3 * a * (q + 2 * r * kv) * tokens + 2 * cp_kv
+    attention_ws = 3 * a * (qa + 2 * kva_held) * tokens + 2 * cp_kv
     mlp_ws = 2 * a * f * (min(s.mlp_tile_size, tokens) if s.mlp_tile_size else tokens)
     logit_rows = min(s.loss_chunk_size, tokens) if s.loss_chunk_size else tokens
     logits = logit_rows * args.vocab_size * (a + 8)

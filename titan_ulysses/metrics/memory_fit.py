@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_ulysses.distributed.ulysses import check_heads
+from titan_ulysses.distributed.heads import is_even
 from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
 
 BUDGET = 0.9  # of the device: the rest is the CUDA context, NCCL buffers, fragmentation
@@ -41,38 +41,40 @@ def from_config(config, dims):
 def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, budget):
     """The first (sp, switches) that fits ``budget`` bytes: (sp, overrides, estimate) or None.
 
-    The sequence is split over n ranks, smallest n first. Over n ranks Ulysses alone is
-    preferred (its all-to-all moves less than cp's all-gather, and it keeps no gathered K/V);
-    where the heads do not allow ulysses_degree n, the largest Ulysses degree they allow is
-    combined with context_parallel_degree n / sp (the overrides then name both).
+    The sequence is split over n ranks, smallest n first. Over n ranks an even Ulysses
+    split is preferred (its all-to-all moves less than cp's all-gather, and it keeps no
+    gathered K/V). Where the heads do not split evenly n ways (``distributed/heads.py``),
+    two splits follow: the largest even Ulysses degree combined with context_parallel_degree
+    n / sp (every rank does the same attention work), then Ulysses over n ranks with uneven
+    head counts (the busiest rank sets the pace, but any backend and document mask works).
     Context parallelism runs on ``model.attn_backend`` sdpa only (``distributed/context_parallel.py``):
-    with another backend (``args.attn_backend``) a split with cp > 1 comes after every split
-    that keeps the backend, and its overrides name ``--model.attn_backend sdpa``.
+    with another backend (``args.attn_backend``) the uneven split comes first, and a split
+    with cp > 1 comes after every split that keeps the backend, its overrides naming
+    ``--model.attn_backend sdpa``.
     FSDP CPU offload (the last switch) moves every parameter over PCIe each step, which
     costs far more than a larger degree inside a node or the backend change: it is tried
     only when nothing fits without it.
     """
-    def heads_allow(sp: int) -> bool:
-        try:
-            check_heads(args.n_heads, args.n_kv_heads, sp, layout.tp)
-            return True
-        except ValueError:
-            return False
+    hq, hkv = args.n_heads // layout.tp, args.n_kv_heads // layout.tp
+
+    def flags_for(sp: int, cp: int) -> list[str]:
+        flags = [f"--parallelism.ulysses_degree {sp}"]
+        if cp > 1 or layout.cp > 1:
+            flags.append(f"--parallelism.context_parallel_degree {cp}")
+        return flags
 
     ranks = world // layout.tp
     keep, to_sdpa = [], []  # (sp, cp, layout overrides): splits that keep the backend, and those that need sdpa
     for n in (n for n in range(1, ranks + 1) if ranks % n == 0):
-        sp = max(s for s in range(1, n + 1) if n % s == 0 and heads_allow(s))
+        sp = max(s for s in range(1, min(n, hq) + 1) if n % s == 0 and is_even(hq, hkv, s))
         cp = n // sp
-        if seq_len % (sp if cp == 1 else 2 * cp * sp):
-            continue
-        flags = [f"--parallelism.ulysses_degree {sp}"]
-        if cp > 1 or layout.cp > 1:
-            flags.append(f"--parallelism.context_parallel_degree {cp}")
-        if cp > 1 and args.attn_backend != "sdpa":
-            to_sdpa.append((sp, cp, [*flags, "--model.attn_backend sdpa"]))
+        hybrid = [] if seq_len % (sp if cp == 1 else 2 * cp * sp) else [(sp, cp, flags_for(sp, cp))]
+        uneven = [(n, 1, flags_for(n, 1))] if cp > 1 and n <= hq and seq_len % n == 0 else []
+        if cp == 1 or args.attn_backend == "sdpa":
+            keep += hybrid + uneven
         else:
-            keep.append((sp, cp, flags))
+            keep += uneven
+            to_sdpa += [(s, c, [*f, "--model.attn_backend sdpa"]) for s, c, f in hybrid]
     for order in (SWITCH_ORDER[:-1], SWITCH_ORDER):
         for sp, cp, flags in keep + to_sdpa:
             trial = Layout(dp_shard=world // (sp * cp * layout.tp), sp=sp, tp=layout.tp, cp=cp)
