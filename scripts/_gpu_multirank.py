@@ -233,7 +233,9 @@ def multiprocess_one_gpu(ctx):
         nccl = spawn(2, "nccl", dev, (probe_collectives,), ctx.timeout(60))
         figures["nccl_two_ranks_one_gpu"] = nccl.get("error") or {k: v for k, v in nccl.items()}
     ok = True
-    for name, layout, world in (("sp2", {"sp": 2}, 2), ("dp_shard2_sp2", {"dp_shard": 2, "sp": 2}, 4)):
+    # sp3: 8 q heads / 2 kv heads split unevenly (3, 3, 2): the all-to-all with split sizes
+    layouts = (("sp2", {"sp": 2}, 2), ("dp_shard2_sp2", {"dp_shard": 2, "sp": 2}, 4), ("sp3_uneven_heads", {"sp": 3}, 3))
+    for name, layout, world in layouts:
         res = spawn(world, "gloo", dev, (model_equality, layout, 2 if ctx.dry_run else 3), ctx.timeout(240))
         figures[name] = res
         if "error" in res:
@@ -247,5 +249,6 @@ def multiprocess_one_gpu(ctx):
         else:
             ok &= res["loss"] < 1e-5 and res["grad"] < 1e-4 and res["param"] < 1e-5
     return {"status": "pass" if ok else "fail", "figures": figures,
-            "detail": "; ".join(notes) or "fp32 model (dim 128, 8/2 heads, S=77) on gloo ranks sharing the device vs "
-                                         "one process; tolerances loss 1e-5, grad 1e-4, params 1e-5 (rel.)"}
+            "detail": "; ".join(notes) or "fp32 model (dim 128, 8/2 heads, S=77; sp3 splits them unevenly) on gloo "
+                                         "ranks sharing the device vs one process; tolerances loss 1e-5, grad 1e-4, "
+                                         "params 1e-5 (rel.)"}
