@@ -8,7 +8,9 @@ server (nothing in it has run a kernel, started a thread pool or made a process 
 so no state passes from one test to the next; ``fn`` and its arguments are pickled as
 with spawn. A forked rank would write to the server's stdout and stderr, those of the test
 that happened to start it; each rank is handed this process's current ones instead, so
-that ``capfd`` sees what the ranks print, as it did with spawn.
+that ``capfd`` sees what the ranks print, as it did with spawn. One difference remains:
+ranks get the environment the server started with, so a test that needs an environment
+variable in its ranks must set it inside ``fn`` (none does today).
 """
 
 from __future__ import annotations
