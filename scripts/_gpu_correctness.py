@@ -244,12 +244,12 @@ def float8_case(recipe: str):
             import torchao  # noqa: F401
         except ImportError:
             raise Skip("torchao is not installed (carry it: scripts/gpu_wheels.sh)")
-        steps = 6 if ctx.dry_run else 50
+        steps = 3 if ctx.dry_run else 50
         common = ["--training.steps", str(steps), "--parallelism.ulysses_degree", "1",
                   "--training.mixed_precision_param", "bfloat16", "--lr_scheduler.warmup_steps", "5",
                   *_gpu_or(ctx, ["--model.flavor", "1B", "--training.seq_len", "2048",
                                  "--training.local_batch_size", "4", "--optimizer.lr", "3e-4"],
-                           ["--training.seq_len", "128", "--training.local_batch_size", "2"])]
+                           ["--training.seq_len", "128", "--training.local_batch_size", "1"])]
         with tempfile.TemporaryDirectory() as d:
             code, bf16, tail = train(ctx, common, d, timeout=240)
             if code:

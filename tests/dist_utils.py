@@ -1,7 +1,21 @@
-"""Run a function on N gloo processes and fail the test if any rank fails."""
+"""Run a function on N gloo processes and fail the test if any rank fails.
+
+Ranks are forked from a forkserver that has imported torch and this package once
+(``PRELOAD``), rather than spawned as fresh interpreters that each import them again: on
+2 cores a 4-rank launch takes about 0.2 s instead of 5-10 s, and the suite launches ranks
+over a hundred times. Each rank is still a fresh process forked from the same untouched
+server (nothing in it has run a kernel, started a thread pool or made a process group),
+so no state passes from one test to the next; ``fn`` and its arguments are pickled as
+with spawn. A forked rank would write to the server's stdout and stderr, those of the test
+that happened to start it; each rank is handed this process's current ones instead, so
+that ``capfd`` sees what the ranks print, as it did with spawn. One difference remains:
+ranks get the environment the server started with, so a test that needs an environment
+variable in its ranks must set it inside ``fn`` (none does today).
+"""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -10,9 +24,27 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import reduction
 
 
-def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
+class _ParentFd:
+    """This process's file descriptor ``fd``, duplicated into the rank when the rank's
+    arguments are pickled (the way multiprocessing hands pipes to its children)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _inherited, (reduction.DupFd(self.fd),)
+
+
+def _inherited(dup) -> int:
+    return dup.detach()
+
+
+def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple, out: int, err: int) -> None:
+    os.dup2(out, 1)
+    os.dup2(err, 2)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     fn(*args)
@@ -30,16 +62,21 @@ def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None
 
 
 TIMEOUT_S = 300
+# imported once by the forkserver (a module that fails to import is skipped, not fatal)
+PRELOAD = ["torch", "torch.distributed", "titan_ulysses.trainer", "dist_utils", "model_harness"]
+multiprocessing.set_forkserver_preload(PRELOAD)
 
 
 def run_distributed(fn, world_size: int, *args) -> None:
-    """Call ``fn(*args)`` on ``world_size`` freshly spawned gloo ranks (``fn`` must be importable).
+    """Call ``fn(*args)`` on ``world_size`` fresh gloo ranks (``fn`` must be importable).
 
     A deadlock fails the test after ``TIMEOUT_S`` seconds instead of hanging CI.
     """
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "store")
-        ctx = mp.spawn(_worker, args=(fn, world_size, init_file, args), nprocs=world_size, join=False)
+        std = (_ParentFd(1), _ParentFd(2))
+        ctx = mp.start_processes(_worker, args=(fn, world_size, init_file, args, *std), nprocs=world_size,
+                                 join=False, start_method="forkserver")
         deadline = time.monotonic() + TIMEOUT_S
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:

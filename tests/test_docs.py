@@ -30,10 +30,10 @@ def test_every_guide_command_runs(tmp_path):
         proc = subprocess.run(runnable, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     # what the guide says the commands leave behind
-    for path in ("guide/checkpoint/step-30/.metadata", "guide_1k/checkpoint/step-10/.metadata",
+    for path in ("guide/checkpoint/step-15/.metadata", "guide_1k/checkpoint/step-5/.metadata",
                  "guide_needle.json", "guide_needle.png", "guide_hf/config.json", "guide_hf/model.safetensors",
                  "guide_from_hf/metrics.jsonl",
-                 "guide_sft/checkpoint/step-20/.metadata"):
+                 "guide_sft/checkpoint/step-10/.metadata"):
         assert (tmp_path / path).exists(), path
 
 

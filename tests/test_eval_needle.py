@@ -21,9 +21,13 @@ def _run(args, nproc=None):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    """A checkpoint the trainer wrote at sp=2 (in forked ranks: no torchrun, no fresh imports)."""
+    from dist_utils import run_distributed
+    from test_trainer import _train
+
     dump = tmp_path_factory.mktemp("run")
-    _run(["train.py", "--config", CONFIG, "--training.steps", "2", "--training.seq_len", "128",
-          "--checkpoint.interval", "2", "--job.dump_folder", str(dump)], nproc=2)
+    run_distributed(_train, 2, ["--config", CONFIG, "--training.steps", "2", "--training.seq_len", "128",
+                                "--checkpoint.interval", "2", "--job.dump_folder", str(dump)])
     return os.path.join(dump, "checkpoint", "step-2")
 
 
@@ -44,11 +48,15 @@ def test_ulysses_evaluation_equals_one_process(checkpoint, tmp_path):
 
 
 def test_bad_depth_and_checkpoint_are_refused_by_name(checkpoint):
-    script = os.path.join(ROOT, "scripts", "eval_needle.py")
+    """Each refusal comes before any process group: called in this process, the script's
+    SystemExit(message) is what `python scripts/eval_needle.py` prints before exiting 1."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import eval_needle
+
     for extra, message in ((["--checkpoint", checkpoint, "--depths", "0,1.5"], "every depth must lie within [0, 1]"),
                            (["--checkpoint", os.path.dirname(checkpoint)], "is not a complete checkpoint"),
                            (["--checkpoint", checkpoint, "--lengths", "64", "--parallelism.ulysses_degree", "1"],
                             "--lengths: 64 is too short")):
-        proc = subprocess.run([sys.executable, script, "--config", CONFIG, *extra], cwd=ROOT, capture_output=True,
-                              text=True, timeout=60)
-        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-1000:]
+        with pytest.raises(SystemExit) as e:
+            eval_needle.main(["--config", CONFIG, *extra])
+        assert isinstance(e.value.code, str) and message in e.value.code, e.value.code

@@ -6,8 +6,6 @@ is still checked against an independent rotate_half implementation below.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -114,17 +112,22 @@ def test_permutation_turns_interleaved_rope_into_rotate_half():
     assert not torch.allclose(q_plain * cos2 + _rotate_half(q_plain) * sin2, ours[..., perm], atol=1e-2)
 
 
-def test_export_script(tmp_path):
+def test_export_script(tmp_path, capsys):
+    """The script's main() in this process (the command line itself runs in test_hf_train and the guide)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("export_hf_script", os.path.join(ROOT, "scripts", "export_hf.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
     run_distributed(_save_sharded, 2, str(tmp_path / "ckpt"), {}, "debugmodel")
 
     def export(flavor, out):  # default --dtype bfloat16
-        return subprocess.run(
-            [sys.executable, "scripts/export_hf.py", "--checkpoint", str(tmp_path / "ckpt" / "step-1"),
-             "--flavor", flavor, "--output", str(tmp_path / out)],
-            cwd=ROOT, capture_output=True, text=True, check=False)
+        code = script.main(["--checkpoint", str(tmp_path / "ckpt" / "step-1"), "--flavor", flavor,
+                            "--output", str(tmp_path / out)])
+        return code, capsys.readouterr().err
 
-    proc = export("debugmodel", "hf")
-    assert proc.returncode == 0, proc.stderr
+    code, err = export("debugmodel", "hf")
+    assert code == 0, err
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_hidden_layers"] == 6 and config["num_key_value_heads"] == 4 and config["vocab_size"] == 264
     assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "bfloat16"
@@ -137,6 +140,6 @@ def test_export_script(tmp_path):
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     assert tensors["model.layers.5.self_attn.k_proj.weight"].shape == (4 * 16, 256)
     # a flavor that does not match the checkpoint is refused, and nothing is written
-    proc = export("debugmodel_gqa1", "hf_wrong")
-    assert proc.returncode != 0 and "does not match the model arguments" in proc.stderr
+    code, err = export("debugmodel_gqa1", "hf_wrong")
+    assert code != 0 and "does not match the model arguments" in err
     assert not (tmp_path / "hf_wrong" / "model.safetensors").exists()

@@ -25,6 +25,7 @@ from titan_ulysses.config.manager import (
     resolved_global_batch_size,
     validate,
 )
+from titan_ulysses.config.resume import resume_settings, settings_changes
 from titan_ulysses.data.build import build_data
 from titan_ulysses.data.sharding import shard_loader_batch
 from titan_ulysses.data.tokenizer import build_tokenizer
@@ -42,7 +43,7 @@ from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
 from titan_ulysses.ops.attention import build_attention_mask
 from titan_ulysses.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
-from titan_ulysses.validate import Validator
+from titan_ulysses.validate import build_validator
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -50,27 +51,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 class NonFiniteLossError(RuntimeError):
     """The loss, the gradient norm or the learning rate of a step is NaN/inf: the run stops
     before the optimizer touches the weights."""
-
-
-# What a resume may change (the config wins over the checkpoint); saved with each checkpoint
-# so that the resumed run can say what changed.
-RESUME_SETTINGS = (
-    "optimizer.lr", "optimizer.weight_decay", "optimizer.eps", "optimizer.beta1", "optimizer.beta2",
-    "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio", "lr_scheduler.decay_type",
-    "lr_scheduler.min_lr_factor", "training.steps", "training.max_norm",
-)
-
-
-def resume_settings(config: JobConfig) -> dict:
-    return {key: getattr(getattr(config, key.split(".")[0]), key.split(".")[1]) for key in RESUME_SETTINGS}
-
-
-def settings_changes(saved: dict | None, current: dict) -> str:
-    """``key old -> new, ...`` for the settings the config changes from the checkpoint's."""
-    if saved is None:
-        return "the checkpoint records no settings; the config's apply"
-    changed = [f"{k} {saved[k]} -> {v}" for k, v in current.items() if k in saved and saved[k] != v]
-    return "the config changes " + ", ".join(changed) if changed else "settings as in the checkpoint"
 
 
 def model_args(config: JobConfig, vocab_size: int) -> LlamaArgs:
@@ -228,10 +208,8 @@ class Trainer:
         self.peak_flops = peak_flops(self.device)
         # packed rows hold several documents: every backend masks per document (sdpa densely)
         self.use_doc_mask = self.data.packed
-        self.validator = None
-        if config.validation.enable:
-            self.validator = Validator(self.data, self.model, pd, self.device, self.args.attn_backend,
-                                       self.tokenizer.pad_id, self.accumulation_steps, config.validation.steps)
+        self.validator = build_validator(config, self.data, self.model, pd, self.device, self.args.attn_backend,
+                                         self.tokenizer.pad_id, self.accumulation_steps)
         comm_args = (torch.finfo(options.param_dtype).bits // 8, options.ac_mode in ("full", "full_offload"))
         self.a2a_bytes = ulysses_bytes_per_step(
             self.args, t.seq_len, self.global_batch_size // pd.size("dp"), pd.sp, pd.tp, *comm_args, cp=pd.cp,
@@ -375,7 +353,7 @@ class Trainer:
                         **({"cp_gib_per_step": self.cp_bytes / 2**30} if self.cp_bytes else {}),
                     })
                     timer, steps_timed = time.perf_counter(), 0
-                if self.validator is not None and (self.step % self.config.validation.freq == 0 or self.step == t.steps):
+                if self.validator is not None and self.validator.due(self.step):
                     started = time.perf_counter()
                     self.metrics.log_validation(self.step, self.validator.run())
                     timer += time.perf_counter() - started  # evaluation time is not training throughput

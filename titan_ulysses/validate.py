@@ -25,12 +25,21 @@ def reshard(model: torch.nn.Module) -> None:
 
 
 class Validator:
+    """Evaluates ``steps`` global batches of ``data.validation_loader()`` with ``model``.
+
+    ``due(step)``: every ``freq`` steps and at ``last_step`` (None: every ``freq`` steps only).
+    """
+
     def __init__(self, data, model, parallel_dims, device, attn_backend: str, pad_id: int,
-                 microbatches_per_step: int, steps: int):
+                 microbatches_per_step: int, steps: int, freq: int = 1, last_step: int | None = None):
         self.data, self.model, self.pd, self.device = data, model, parallel_dims, device
         self.attn_backend, self.pad_id = attn_backend, pad_id
         self.microbatches = microbatches_per_step * steps
         self.packed = getattr(data.validation, "packed", False)
+        self.freq, self.last_step = freq, last_step
+
+    def due(self, step: int) -> bool:
+        return step % self.freq == 0 or step == self.last_step
 
     @torch.no_grad()
     def run(self) -> dict:
@@ -47,3 +56,14 @@ class Validator:
         reshard(self.model)
         total, tokens = dist_sum(total, loss_mesh), dist_sum(tokens, loss_mesh)
         return {"validation_loss": (total / tokens.clamp(min=1)).item(), "validation_tokens": int(tokens.item())}
+
+
+def build_validator(config, data, model, parallel_dims, device, attn_backend: str, pad_id: int,
+                    microbatches_per_step: int) -> Validator | None:
+    """The run's validator (``validation.steps`` batches every ``validation.freq`` steps and at
+    the last one), None when ``validation.enable`` is off."""
+    v = config.validation
+    if not v.enable:
+        return None
+    return Validator(data, model, parallel_dims, device, attn_backend, pad_id, microbatches_per_step, v.steps,
+                     freq=v.freq, last_step=config.training.steps)

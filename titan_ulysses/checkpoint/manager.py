@@ -16,8 +16,9 @@ are set aside, so nothing stale blocks a later save.
 Rank 0 adds the files of ``extras(step_dir)`` (the model record of ``hf_export.py``) to
 the ``.tmp`` folder before the rename, so they are part of the complete checkpoint.
 
-What is saved: model and optimizer (sharded, FQN-keyed, so DCP reshards them to any
-layout on load), LR scheduler, data loader (its position is global), step and rank 0's RNG.
+What is saved (``state.py``): model and optimizer (sharded, FQN-keyed, so DCP reshards
+them to any layout on load), LR scheduler, data loader (its position is global), step and
+rank 0's RNG.
 
 Async saves (``async`` / ``async_with_pinned_mem``) copy the state to host memory inside
 ``save()`` and write it from a background thread over a dedicated gloo group; the copy
@@ -32,7 +33,6 @@ a large checkpoint takes minutes.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import re
 import shutil
@@ -43,16 +43,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_ulysses.checkpoint import manifest
 from titan_ulysses.checkpoint.safety import explain_save_error, is_out_of_space, nonfinite_tensors, set_aside, state_bytes
+from titan_ulysses.checkpoint.state import training_state
 from titan_ulysses.data.sources import DataError
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
@@ -76,62 +70,6 @@ def _publish(tmp: str, final: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class _Model(Stateful):
-    def __init__(self, model):
-        self.model = model
-
-    def state_dict(self):
-        return get_model_state_dict(self.model)
-
-    def load_state_dict(self, state_dict):
-        set_model_state_dict(self.model, state_dict)
-
-
-class _Optimizer(Stateful):
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self):
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, state_dict):
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
-
-
-class _TrainState(Stateful):
-    """Step, RNG and the run's settings. Rank 0 alone saves its generator states; on load every
-    rank gets them. ``settings`` (JSON of the config values a resume may change, see the
-    trainer) lets the resumed run say what its config changed.
-
-    ``keys`` is the set of ``train_state`` entries a checkpoint holds (a checkpoint written
-    without CUDA has no ``cuda_rng``); None when saving.
-    """
-
-    def __init__(self, step: int = 0, keys: set[str] | None = None, settings: dict | None = None):
-        self.step, self.keys, self.settings = step, keys, settings
-
-    def state_dict(self):
-        state = {"step": self.step}
-        saving = self.keys is None
-        if saving and dist.get_rank() != 0:
-            return state  # replicated entries would otherwise be written by whichever rank DCP picks
-        if (saving and self.settings is not None) or (not saving and "settings" in self.keys):
-            state["settings"] = json.dumps(self.settings) if saving else ""
-        if saving or "rng" in self.keys:
-            state["rng"] = torch.get_rng_state()
-        if torch.cuda.is_available() and (saving or "cuda_rng" in self.keys):
-            state["cuda_rng"] = torch.cuda.get_rng_state()
-        return state
-
-    def load_state_dict(self, state_dict):
-        self.step = int(state_dict["step"])
-        self.settings = json.loads(state_dict["settings"]) if state_dict.get("settings") else None
-        if "rng" in state_dict:
-            torch.set_rng_state(state_dict["rng"])
-        if "cuda_rng" in state_dict and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state_dict["cuda_rng"])
 
 
 def complete_steps(folder: str) -> list[int]:
@@ -210,13 +148,8 @@ class CheckpointManager:
         return None if step is None else self._dir(step)
 
     def _state(self, step: int = 0, model_only: bool = False, train_keys: set[str] | None = None) -> dict:
-        state = {"model": _Model(self.model)}
-        if not model_only:
-            state.update(
-                optimizer=_Optimizer(self.model, self.optimizer), lr_scheduler=self.lr_scheduler,
-                dataloader=self.dataloader, train_state=_TrainState(step, train_keys, self.settings),
-            )
-        return state
+        return training_state(self.model, self.optimizer, self.lr_scheduler, self.dataloader, step=step,
+                              train_keys=train_keys, settings=self.settings, model_only=model_only)
 
     # -- collectives on the checkpoint group ---------------------------------------------
 
