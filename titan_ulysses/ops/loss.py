@@ -51,8 +51,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             # d(sum CE)/d logits = softmax - one_hot(label), zero on ignored tokens
             grad_logits = torch.softmax(upcast(h @ weight.t()), dim=-1)  # [chunk, V]
             valid = lab != ctx.ignore_index
-            rows = torch.arange(lab.shape[0], device=lab.device)
-            grad_logits[rows[valid], lab[valid]] -= 1.0
+            # -1 at each valid label; a scatter rather than boolean indexing: static shapes (no host
+            # sync on CUDA; FakeTensorMode can run it, see scripts/estimate_memory.py --track)
+            grad_logits.scatter_add_(1, (lab * valid)[:, None], -valid[:, None].to(grad_logits.dtype))
             grad_logits *= valid[:, None] * grad_total
             grad_hidden[start : start + ctx.chunk_size] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             grad_weight += grad_logits.t() @ upcast(h)
