@@ -59,7 +59,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits.scatter_add_(1, (lab * valid)[:, None], -valid[:, None].to(grad_logits.dtype))
             grad_logits *= valid[:, None] * grad_total
             grad_hidden[start : start + ctx.chunk_size] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            grad_weight += grad_logits.t() @ upcast(h)
+            grad_weight.addmm_(grad_logits.t(), upcast(h))  # in place: no second [V, D] fp32 buffer
             del grad_logits  # else it lives on while the next chunk's softmax is computed: 4 x chunk x V bytes
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
 
