@@ -24,8 +24,8 @@ class _TiledFunction(torch.autograd.Function):
     def forward(ctx, fn, tile_size: int, x, *params):
         ctx.fn, ctx.tile_size = fn, tile_size
         ctx.save_for_backward(x, *params)
-        with torch.no_grad():
-            return torch.cat([fn(t) for t in x.split(tile_size, dim=1)], dim=1)
+        with torch.no_grad():  # detached tiles: no view of a tensor that requires grad reaches the modules' hooks
+            return torch.cat([fn(t) for t in x.detach().split(tile_size, dim=1)], dim=1)
 
     @staticmethod
     def backward(ctx, grad_out):
