@@ -140,8 +140,30 @@ def _fake_world(world: int):
         dist.destroy_process_group()
 
 
-def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1,
-               microbatches: int = 1) -> StepMemory:
+@contextlib.contextmanager
+def cuda_kernel_choices():
+    """Let ``ops/attention.py`` choose its kernels as on CUDA (fake tensors run any kernel's meta
+    function on any device): cp's lower-right causal attention takes the flash kernel in bf16
+    (on CPU it builds a dense ``[Lq, Lk]`` mask and sdpa a bf16 copy of it, 12 GiB per chunk
+    at 128K over cp 2), and GQA expands its kv heads for the kernels that need it."""
+    from unittest import mock
+
+    from titan_ulysses.ops import attention
+
+    half = (torch.bfloat16, torch.float16)
+
+    def flash_lower_right(q):
+        return q.dtype in half and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+
+    def needs_kv_expanded(q, k, dense_mask):
+        return q.shape[2] != k.shape[2] and (dense_mask or q.dtype not in half)
+
+    with mock.patch.object(attention, "_flash_lower_right", flash_lower_right), \
+            mock.patch.object(attention, "_cuda_needs_kv_expanded", needs_kv_expanded):
+        yield
+
+
+def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1) -> StepMemory:
     """The memory of rank 0 over a steady-state step (the optimizer state exists, gradients do not)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -160,7 +182,7 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
     world = layout.dp_shard * layout.cp * layout.sp * layout.tp
     dtype = torch.bfloat16 if switches.act_bytes == 2 else torch.float32
     args = _with_switches(args, switches)
-    with _fake_world(world):
+    with _fake_world(world), cuda_kernel_choices():
         pd = ParallelDims(dp_shard=layout.dp_shard, cp=layout.cp, sp=layout.sp, tp=layout.tp, world_size=world)
         pd.build_mesh("cpu")
         with torch.device("meta"):
@@ -171,10 +193,12 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
             model.init_buffers(torch.device("cpu"))
             optimizer = build_optimizer(model, "AdamW", 1e-4, 0.1, 1e-8, (0.9, 0.95), "cuda")  # fused, as on CUDA
             tokens = torch.zeros(local_batch, seq_len, dtype=torch.long)
-            batches = [shard_batch(tokens, tokens, 0, layout.sp, cp=layout.cp) for _ in range(microbatches)]
+            batches = [shard_batch(tokens, tokens, 0, layout.sp, cp=layout.cp) for _ in range(switches.microbatches)]
 
-            def step(poller=None):
-                for mb in batches:
+            def step(poller=None, tracker=None):
+                for i, mb in enumerate(batches):
+                    if i and hasattr(tracker, "reset_mod_stats"):
+                        tracker.reset_mod_stats()  # FSDPMemTracker refuses a second forward otherwise
                     if poller is not None:
                         poller.phase = "forward"
                     loss = model(mb.tokens, positions=mb.positions, labels=mb.labels) / 1000.0
@@ -202,7 +226,7 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
                 handles = _phase_hooks(model, poller)
                 try:
                     with poller:
-                        step(poller)
+                        step(poller, tracker)
                 finally:
                     for h in handles:
                         h.remove()
