@@ -24,9 +24,11 @@ What autograd keeps per layer and local token without activation checkpointing, 
   (tiled MLP: the input only).
 
 Selective AC keeps the matmul, attention and all-to-all outputs (``a(q + 2kv) + 2aD + 2aF``,
-the attention terms and the block input); full AC keeps the block input ``aD``;
+the attention terms and the block input; with a tiled MLP, whose matmuls run inside its own
+recompute, not ``aD + 2aF``: ``distributed/activation_checkpoint.py``); full AC keeps the block input ``aD``;
 full_offload keeps it in host memory. Under AC the backward of a layer holds again what
-its mode did not keep (the recompute, ``layer_recompute``).
+its mode did not keep (the recompute, ``layer_recompute``; under selective AC with cp, the
+gathered K/V stay beside the prefixes recomputed from them).
 
 The peak is the largest of the phases of a steady-state step (``Estimate.phases``), each
 checked against PyTorch's ``FSDPMemTracker`` under fake tensors on CPU
@@ -49,14 +51,16 @@ the next all-gather. The phases:
   and log-softmax's backward output (``12 T V``); one block prefetched. Where the chunk is
   small, the final RMSNorm's fp32 temporaries are the peak of both loss phases instead
   (``norm_working_set``: ``16 D T`` bytes in backward plus a ``4 D T`` upcast in bf16);
-* each layer's backward (the largest of the last, the second last and the first layer: the
-  terms are linear in the layer index between them): the sharded gradients of the blocks
+* each layer's backward (the largest of the last two and the first two layers: the terms
+  are linear in the layer index between them): the sharded gradients of the blocks
   after it, the root's parameters and the output weight's gradient in the compute dtype,
   this block's unsharded parameters and gradients and the next block's all-gather
-  (``unsharded_working_params``), the previous block's fp32 reduce-scatter input, which
+  (``unsharded_working_params``; block 0 has no next), the previous block's fp32 reduce-scatter input, which
   FSDP keeps until the next reduce-scatter (``reduce_scatter``), the saved activations of
-  this layer and the ones below, the recompute, and the larger of the attention and MLP
-  backward working sets;
+  this layer and the ones below, the recompute, and the largest of the attention's, the
+  MLP's and the ffn_norm's backward working sets (the last: its fp32 temporaries, as the
+  final norm's below, and two residual-stream gradients, once the MLP's intermediates are
+  freed; the peak where the MLP is tiled);
 * the embeddings' backward and the root's reduce-scatter at the end of backward: every
   block's sharded gradients, and the larger of the embeddings' backward (the root's
   parameters, the output weight's and the embeddings' gradients, block 0's reduce-scatter
@@ -205,8 +209,9 @@ def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: st
     if mode in ("full", "full_offload"):
         return a * d + rope if mode == "full" else 0.0
     if mode == "selective":
-        return (a * (q + 2 * kv) + 2 * a * d + (0 if s.mlp_tile_size else 2 * a * f) + attention + wo_input + a * d
-                + rope)
+        # the MLP's matmul outputs (w1, w3, w2), untiled; tiled, nothing (its input is recomputed too)
+        mlp = 0 if s.mlp_tile_size else 2 * a * f + a * d
+        return a * (q + 2 * kv) + a * d + mlp + attention + wo_input + a * d + rope
     mlp = a * d + (0 if s.mlp_tile_size else 4 * a * f)
     norms = 2 * (a * d + 4)
     return norms + a * d + attention + wo_input + mlp + rope
@@ -235,7 +240,7 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     """The memory of one rank for a step of ``local_batch`` sequences of ``seq_len`` tokens."""
     s, a = switches, switches.act_bytes
     tokens = local_batch * seq_len / (layout.sp * layout.cp)  # T
-    d, q, kv, qa, kva_held, _, f = _widths(args, layout, s.act_bytes == 4)
+    d, q, kv, qa, kva_held, kva, f = _widths(args, layout, s.act_bytes == 4)
     n = layout.dp_shard * layout.cp * layout.sp
     block = 2 * d * (q + kv) + 3 * d * f + 2 * d  # one block's parameters on a tp rank
     other = args.vocab_size * d * (1 if args.tie_embeddings else 2) + d
@@ -252,7 +257,12 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     if s.ac_mode == "full_offload":
         host += args.n_layers * a * d * tokens
     full_set = layer_bytes_per_token(args, layout, s, "none")
+    # what the layer's backward holds: its full set, of which the mode kept per_layer (selective keeps
+    # tensors the full set does not -- the projections' outputs -- but they are released as the recompute
+    # consumes them; with cp, the gathered K/V stay beside the prefixes recomputed from them)
     recompute = 0.0 if s.ac_mode == "none" else max(full_set - per_layer, 0.0) * tokens
+    if s.ac_mode == "selective" and layout.cp > 1:
+        recompute += 2 * a * layout.cp * kva * tokens
     cp_kv = _cp_kv_per_token(args, layout, s) * tokens if layout.cp > 1 else 0.0  # and as much of their gradients
     attention_ws = 3 * a * (qa + 2 * kva_held) * tokens + 2 * cp_kv
     if s.mlp_tile_size:  # one tile's recompute and gradients; the MLP weights' gradients summed over tiles
@@ -281,15 +291,21 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
 
     def layer_backward(i: int) -> float:  # block i of n_layers, counted from the input
         done = earlier or (args.n_layers - 1 - i) * block_grad
-        return (rest + done + working + a * args.vocab_size * d + (rs_block if i < args.n_layers - 1 else 0.0)
-                + (i + 1) * per_layer * tokens + recompute + max(attention_ws, mlp_ws))
+        held = rs_block if i < args.n_layers - 1 else 0.0  # the reduce-scatter input of block i + 1
+        prefetch = one_block if i > 0 else 0.0  # block i - 1's all-gather
+        return (rest + done + working - one_block + prefetch + a * args.vocab_size * d + held
+                + (i + 1) * per_layer * tokens + recompute + layer_ws)
 
+    # a layer's ffn_norm backward (after the MLP's backward freed its intermediates): the norm's fp32
+    # temporaries and two residual-stream gradients beside the rest of the layer's activations
+    norm_ws = norm_bwd + 2 * a * d * tokens - (a * d + (0 if s.mlp_tile_size else 4 * a * f)) * tokens
+    layer_ws = max(attention_ws, mlp_ws, norm_ws)
     last = args.n_layers - 1
     phases = {
         "loss forward": rest + earlier + root + one_block + saved + max(loss_fwd, norm_fwd),
         "loss backward": rest + earlier + root + one_block + saved
         + max(loss_weight_grad + loss_bwd, a * args.vocab_size * d + a * tokens * d + norm_bwd),
-        "layer backward": max(layer_backward(i) for i in {last, max(last - 1, 0), 0}),
+        "layer backward": max(layer_backward(i) for i in {last, max(last - 1, 0), min(1, last), 0}),
         "embedding backward": rest + (earlier or args.n_layers * block_grad) + max(embedding, root_grads),
         "optimizer step": rest + states["gradients"],
     }
