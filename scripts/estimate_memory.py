@@ -70,10 +70,25 @@ def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int
     if switches.ac_mode == "selective":
         raise SystemExit("--validate on CPU measures through saved-tensor hooks, which selective AC bypasses; "
                          "use activation_checkpoint.mode none, full or full_offload")
+    from titan_ulysses.metrics.memory_track import cuda_kernel_choices
+
     dtype = torch.float32 if switches.act_bytes == 4 else torch.bfloat16
     model = Transformer(args).to(dtype)
     apply_ac(model, "full" if switches.ac_mode == "full_offload" else switches.ac_mode)
-    return float(saved_bytes(model, torch.randint(0, args.vocab_size, (batch, seq_len))))
+    with cuda_kernel_choices():  # the kernels CUDA would run (fp32 GQA: kv heads expanded)
+        return float(saved_bytes(model, torch.randint(0, args.vocab_size, (batch, seq_len))))
+
+
+def estimated_saved_activations(args, layout, switches: Switches, seq_len: int, batch: int) -> float:
+    """The estimate's counterpart of ``measure_saved_activations``: that model has no FSDP (so no per-block
+    bf16 copy of the RoPE tables), keeps full_offload's block inputs on the CPU it runs on, and without
+    chunks keeps the loss's fp32 log-probabilities."""
+    mode = "full" if switches.ac_mode == "full_offload" else switches.ac_mode
+    est = estimate(args, layout, dataclasses.replace(switches, ac_mode=mode), seq_len, batch)
+    tokens = batch * seq_len
+    logits = 0 if switches.loss_chunk_size else tokens * args.vocab_size * 4
+    rope = args.n_layers * switches.act_bytes * args.head_dim * tokens if switches.act_bytes < 4 else 0
+    return est.saved_activations + logits - rope
 
 
 def track(args, layout, switches, seq_len: int, batch: int, est) -> dict:
@@ -151,9 +166,7 @@ def main(argv=None) -> int:
                 raise SystemExit("--validate on CPU runs one process: add --parallelism.ulysses_degree 1")
             measured, what = measure_saved_activations(args, switches, t.seq_len, t.local_batch_size), \
                 "saved activations (CPU)"
-            logits = 0 if switches.loss_chunk_size else t.local_batch_size * t.seq_len * args.vocab_size * (
-                switches.act_bytes + 4)
-            compared = est.saved_activations + logits
+            compared = estimated_saved_activations(args, layout, switches, t.seq_len, t.local_batch_size)
         result["validation"] = {"what": what, "estimated": compared, "measured": measured,
                                 "error_pct": 100 * (compared - measured) / measured}
     if a.json:
