@@ -6,6 +6,8 @@ the local q and kv widths; r the kv replication factor of Ulysses; F = ffn_hidde
 V vocabulary; N layers. Where Ulysses splits the heads unevenly (``distributed/heads.py``),
 the attention terms below are those of the busiest rank: ``q`` and ``r kv`` become its
 heads times sp, and a rank that expands its kv heads to one per q head keeps both copies.
+In fp32 with GQA (no cp) CUDA's sdpa kernels other than flash need a kv head per q head
+(``ops/attention.py``): attention keeps the expanded k and v instead.
 
 What autograd keeps per layer and local token without activation checkpointing, read off
 ``models/llama/model.py`` (bytes):
@@ -24,9 +26,9 @@ What autograd keeps per layer and local token without activation checkpointing, 
   (tiled MLP: the input only).
 
 Selective AC keeps the matmul, attention and all-to-all outputs (``a(q + 2kv) + 2aD + 2aF``,
-the attention terms and the block input; with a tiled MLP, whose matmuls run inside its own
-recompute, not ``aD + 2aF``: ``distributed/activation_checkpoint.py``); full AC keeps the block input ``aD``;
-full_offload keeps it in host memory. Under AC the backward of a layer holds again what
+the attention terms and the block input; with a tiled MLP, whose matmuls run inside its
+own recompute, not ``aD + 2aF``: ``distributed/activation_checkpoint.py``); full AC keeps
+the block input ``aD``; full_offload keeps it in host memory. Under AC the backward of a layer holds again what
 its mode did not keep (the recompute, ``layer_recompute``; under selective AC with cp, the
 gathered K/V stay beside the prefixes recomputed from them).
 
@@ -55,8 +57,9 @@ the next all-gather. The phases:
   are linear in the layer index between them): the sharded gradients of the blocks
   after it, the root's parameters and the output weight's gradient in the compute dtype,
   this block's unsharded parameters and gradients and the next block's all-gather
-  (``unsharded_working_params``; block 0 has no next), the previous block's fp32 reduce-scatter input, which
-  FSDP keeps until the next reduce-scatter (``reduce_scatter``), the saved activations of
+  (``unsharded_working_params``; block 0 has no next), the previous block's fp32
+  reduce-scatter input, which FSDP keeps until the next reduce-scatter
+  (``reduce_scatter``), the saved activations of
   this layer and the ones below, the recompute, and the largest of the attention's, the
   MLP's and the ffn_norm's backward working sets (the last: its fp32 temporaries, as the
   final norm's below, and two residual-stream gradients, once the MLP's intermediates are
@@ -65,7 +68,8 @@ the next all-gather. The phases:
   block's sharded gradients, and the larger of the embeddings' backward (the root's
   parameters, the output weight's and the embeddings' gradients, block 0's reduce-scatter
   input) and the root's reduce-scatter (its gradients in the compute dtype and their fp32
-  reduce-scatter input; the root's parameters are resharded before it; ``root_gradients``);
+  reduce-scatter input; the root's parameters are resharded before it; in a world of one,
+  the input beside a full-size output and FSDP's out-of-place division; ``root_gradients``);
 * the optimizer step: parameters, gradients and states (the fused AdamW of CUDA allocates
   no temporaries).
 
@@ -78,8 +82,12 @@ tile token, and the MLP weights' gradient summed over tiles, ``2 a 3DF``).
 CPU offload moves the sharded parameters, gradients and optimizer state to host memory.
 Not modelled: the CUDA context and NCCL buffers (about 1-3 GiB on an H100), allocator
 fragmentation, CUDA kernels' workspaces (cuBLAS, the flash attention backward's fp32 dq
-accumulator), torch.compile's buffers. ``scripts/estimate_memory.py --validate`` compares
-the estimate with a measured step on CUDA, ``--track`` with the CPU tracker.
+accumulator; on an H200, 0.06 GiB beyond the tracker at the 8B's peak, so the estimate is
+that much under ``max_memory_allocated``: ``memory_fit.BUDGET`` leaves 10% of the device
+for all of these), torch.compile's buffers and its fusions (compiled norms and SiLU keep
+fewer fp32 temporaries: compiled steps need less). ``scripts/estimate_memory.py
+--validate`` compares the estimate with a measured step on CUDA, ``--track`` with the CPU
+tracker.
 
 Context parallelism (cp > 1, ``distributed/context_parallel.py``) adds, per layer, the keys and
 values each of a rank's two chunks attends to: the prefixes of the gathered K/V that end with

@@ -21,6 +21,10 @@ heads), NCCL buffers, the caching allocator's rounding and fragmentation, and
 torch.compile's buffers (the step runs eagerly). CPU kernels differ from CUDA ones where
 ``ops/attention.py`` says so (cp's lower-right mask is a dense ``[Lq, Lk]`` boolean on CPU).
 Host and device memory are one here, so FSDP CPU offload and ``full_offload`` are refused.
+One artefact of the tracker itself: its wrapper of FSDP's post-backward keeps the last
+parameter's unsharded gradient referenced through the reduce-scatter; for the root that is
+the output weight (untied), so in a world of one, where the root's reduce-scatter is the
+step's peak, the tracker counts ``a V D`` bytes more than a real step holds.
 """
 
 from __future__ import annotations
