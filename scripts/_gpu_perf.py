@@ -120,16 +120,19 @@ def estimate_validate(seq_len: int):
                      "full"]
         else:
             argv += ["--training.seq_len", str(seq_len), "--device-memory-gib",
-                     f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f}"]
+                     f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f}", "--track"]
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=ctx.timeout(240))
         if proc.returncode:
             return {"status": "fail", "detail": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-300:]}"}
         out = "\n" + proc.stdout  # on CUDA the trainer prints its start-up line first
-        v = json.loads(out[out.rindex("\n{") + 1:])["validation"]
+        result = json.loads(out[out.rindex("\n{") + 1:])
+        v, tracked = result["validation"], result.get("tracked")
         err = v["error_pct"]
+        figures = {"estimated_gib": v["estimated"] / 2**30, "measured_gib": v["measured"] / 2**30, "error_pct": err}
+        if tracked:  # the CPU tracker's peak of the same step: what CUDA adds beyond PyTorch's tensors
+            figures["tracked_gib"] = tracked["measured"] / 2**30
         return {"status": "pass" if abs(err) <= 15 else "fail",
-                "figures": {"estimated_gib": v["estimated"] / 2**30, "measured_gib": v["measured"] / 2**30,
-                            "error_pct": err},
+                "figures": figures,
                 "detail": f"{v['what']}; {'debug model' if ctx.dry_run else 'Llama-3-8B, simulated rank of sp=8, AC full'}, "
                           f"seq_len {128 if ctx.dry_run else seq_len}; target: within 15%"}
 

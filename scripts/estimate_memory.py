@@ -12,10 +12,22 @@ ulysses x context_parallel where they do not; cp only on ``model.attn_backend`` 
 flex or flash_attn a cp split comes last and names ``--model.attn_backend sdpa``) and adds memory
 switches in the order of the user guide until the estimate fits in 90% of the device
 (the rest: CUDA context, NCCL, fragmentation); FSDP CPU offload comes in only where no
-split fits without it. ``--validate`` runs two real steps and
-compares: on CUDA the second (steady-state) step's whole peak (``torch.cuda.max_memory_allocated``, one process; in fake
-mode for a world size above 1; measured on an H200, see docs/benchmarks.md); on CPU the saved activations,
-counted through autograd's saved-tensor hooks (single process, sp = 1).
+split fits without it.
+
+``--track`` (any machine, seconds, no memory) runs a steady-state step of this config as
+rank 0 of the simulated world under ``FakeTensorMode`` and PyTorch's ``FSDPMemTracker``
+(``titan_ulysses/metrics/memory_track.py``) and prints its peak per phase and, at the
+peak, per kind (parameters, gradients, optimizer state, activations, temporaries, FSDP
+buffers) beside the estimate's phases. It cannot see what only CUDA allocates: kernels'
+workspaces (cuBLAS; flash / cuDNN attention backward's fp32 dq accumulator and, with GQA,
+dk/dv expanded to the q heads), NCCL buffers, the caching allocator's rounding and
+fragmentation, torch.compile's buffers (the step is eager; attention is sdpa, choosing its
+kernels as on CUDA); no FSDP CPU offload or full_offload (host and device are one memory
+there). ``--validate`` runs two real steps and compares: on CUDA the second
+(steady-state) step's whole peak (``torch.cuda.max_memory_allocated``, one process; in
+fake mode for a world size above 1; measured on an H200, see docs/benchmarks.md); on CPU
+the saved activations, counted through autograd's saved-tensor hooks (single process,
+sp = 1).
 """
 
 from __future__ import annotations
@@ -58,10 +70,41 @@ def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int
     if switches.ac_mode == "selective":
         raise SystemExit("--validate on CPU measures through saved-tensor hooks, which selective AC bypasses; "
                          "use activation_checkpoint.mode none, full or full_offload")
+    from titan_ulysses.metrics.memory_track import cuda_kernel_choices
+
     dtype = torch.float32 if switches.act_bytes == 4 else torch.bfloat16
     model = Transformer(args).to(dtype)
     apply_ac(model, "full" if switches.ac_mode == "full_offload" else switches.ac_mode)
-    return float(saved_bytes(model, torch.randint(0, args.vocab_size, (batch, seq_len))))
+    with cuda_kernel_choices():  # the kernels CUDA would run (fp32 GQA: kv heads expanded)
+        return float(saved_bytes(model, torch.randint(0, args.vocab_size, (batch, seq_len))))
+
+
+def estimated_saved_activations(args, layout, switches: Switches, seq_len: int, batch: int) -> float:
+    """The estimate's counterpart of ``measure_saved_activations``: that model has no FSDP (so no per-block
+    bf16 copy of the RoPE tables), keeps full_offload's block inputs on the CPU it runs on, and without
+    chunks keeps the loss's fp32 log-probabilities."""
+    mode = "full" if switches.ac_mode == "full_offload" else switches.ac_mode
+    est = estimate(args, layout, dataclasses.replace(switches, ac_mode=mode), seq_len, batch)
+    tokens = batch * seq_len
+    logits = 0 if switches.loss_chunk_size else tokens * args.vocab_size * 4
+    rope = args.n_layers * switches.act_bytes * args.head_dim * tokens if switches.act_bytes < 4 else 0
+    return est.saved_activations + logits - rope
+
+
+def track(args, layout, switches, seq_len: int, batch: int, est) -> dict:
+    """The CPU tracker's step (``metrics/memory_track.py``) beside the estimate, phase by phase."""
+    from titan_ulysses.metrics.memory_track import track_step
+
+    try:
+        step = track_step(args, layout, switches, seq_len, batch)
+    except ValueError as e:
+        raise SystemExit(f"--track: {e}") from e
+    phases = step.summary()
+    return {"what": "peak memory (CPU tracker, fake tensors)", "measured": float(step.peak), "phase": step.peak_phase,
+            "estimated": est.total, "estimated_phase": est.peak_phase,
+            "error_pct": 100 * (est.total - step.peak) / step.peak,
+            "phases": {name: {"tracked": float(p.peak), "estimated": est.phases.get(name), "at": p.name,
+                              "kinds": p.kinds} for name, p in phases.items()}}
 
 
 def measure_cuda_peak(argv: list[str], world: int) -> float:
@@ -87,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--device-memory-gib", type=float, default=80.0, help="memory of one device (H100: 80)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--validate", action="store_true", help="also run one step and compare (see above)")
+    p.add_argument("--track", action="store_true",
+                   help="also track a step's memory on CPU under fake tensors, phase by phase (see above)")
     a, overrides = p.parse_known_args(argv)
     config_argv = ["--config", a.config, *overrides]
     try:
@@ -108,6 +153,8 @@ def main(argv=None) -> int:
                                                               (int(f.split()[1]) for f in rec[1]
                                                                if f.startswith("--parallelism.context_parallel_degree")), 1),
                                                           "total_gib": rec[2].total / GIB}}
+    if a.track:  # before --validate: the tracker needs its own (fake) process group
+        result["tracked"] = track(args, layout, switches, t.seq_len, t.local_batch_size, est)
     if a.validate:
         import torch
 
@@ -119,9 +166,7 @@ def main(argv=None) -> int:
                 raise SystemExit("--validate on CPU runs one process: add --parallelism.ulysses_degree 1")
             measured, what = measure_saved_activations(args, switches, t.seq_len, t.local_batch_size), \
                 "saved activations (CPU)"
-            logits = 0 if switches.loss_chunk_size else t.local_batch_size * t.seq_len * args.vocab_size * (
-                switches.act_bytes + 4)
-            compared = est.saved_activations + logits
+            compared = estimated_saved_activations(args, layout, switches, t.seq_len, t.local_batch_size)
         result["validation"] = {"what": what, "estimated": compared, "measured": measured,
                                 "error_pct": 100 * (compared - measured) / measured}
     if a.json:
@@ -132,12 +177,25 @@ def main(argv=None) -> int:
           f"AC {switches.ac_mode}, loss chunk {switches.loss_chunk_size}, MLP tile {switches.mlp_tile_size}, "
           f"{'bf16' if switches.act_bytes == 2 else 'fp32'} compute")
     for key, value in est.as_dict().items():
-        print(f"  {key:<26} {value / GIB:10.2f} GiB")
+        if isinstance(value, float) and key != "total":
+            print(f"  {key:<26} {value / GIB:10.2f} GiB")
+    print("  phases (total = the largest):")
+    for key, value in est.phases.items():
+        print(f"    {key:<24} {value / GIB:10.2f} GiB{'  <- peak' if key == est.peak_phase else ''}")
+    print(f"  {'total':<26} {est.total / GIB:10.2f} GiB")
     print(f"largest seq_len fitting 90% of {a.device_memory_gib:g} GiB with this layout and switches: {longest}")
     if rec is None:
         print(f"no ulysses_degree within {a.world_size} GPUs and no switch makes seq_len {t.seq_len} fit")
     else:
         print(f"recommended: {' '.join(rec[1])}  ({rec[2].total / GIB:.1f} GiB)")
+    if "tracked" in result:
+        tr = result["tracked"]
+        print(f"CPU tracker (fake tensors): peak {tr['measured'] / GIB:.2f} GiB in {tr['phase']}; estimate "
+              f"{tr['estimated'] / GIB:.2f} GiB in {tr['estimated_phase']} ({tr['error_pct']:+.1f}%)")
+        for name, ph in tr["phases"].items():
+            est_text = "" if ph["estimated"] is None else f"  estimated {ph['estimated'] / GIB:8.2f} GiB"
+            kinds = ", ".join(f"{k} {v / GIB:.2f}" for k, v in ph["kinds"].items() if v >= GIB / 100)
+            print(f"  {name:<22} {ph['tracked'] / GIB:8.2f} GiB{est_text}  ({ph['at']}: {kinds})")
     if "validation" in result:
         v = result["validation"]
         print(f"validation, {v['what']}: estimated {v['estimated'] / GIB:.4f} GiB, measured {v['measured'] / GIB:.4f} GiB, "

@@ -1,9 +1,11 @@
 """The memory estimate against what a real step keeps, and the estimator script's answers.
 
 What CPU can measure exactly is what autograd saves for backward (counted by storage
-through saved-tensor hooks) and the size of each rank's parameter shards; both are
-compared with the estimate at sp=1 and, on two gloo ranks, at sp=2. The whole-step peak
-is compared on CUDA by ``scripts/estimate_memory.py --validate``.
+through saved-tensor hooks, with ``ops/attention.py`` choosing its kernels as on CUDA) and
+the size of each rank's parameter shards; both are compared with the estimate at sp=1 and,
+on two gloo ranks, at sp=2. The whole-step peak, phase by phase, is compared with PyTorch's
+memory tracker under fake tensors in ``tests/test_memory_track.py``, and on CUDA by
+``scripts/estimate_memory.py --validate``.
 """
 
 import dataclasses
@@ -19,6 +21,7 @@ from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import apply_ulysses
 from titan_ulysses.metrics.memory_estimate import Layout, Switches, estimate
+from titan_ulysses.metrics.memory_track import cuda_kernel_choices
 from titan_ulysses.models.llama.args import get_flavor
 from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
@@ -30,11 +33,14 @@ from estimate_memory import saved_bytes  # noqa: E402
 SEQ = 512
 
 
-def expected_saved(args, layout, switches, tokens_per_rank) -> float:
+def expected_saved(args, layout, switches, tokens_per_rank, fsdp: bool = True) -> float:
     est = estimate(args, layout, switches, tokens_per_rank * layout.sp)
     # without chunks, cross-entropy keeps its fp32 log-probabilities (the logits themselves are not kept)
     logits = 0 if switches.loss_chunk_size else tokens_per_rank * args.vocab_size * 4
-    return est.saved_activations + logits
+    # a model without FSDP keeps no per-block bf16 copy of the RoPE tables (FSDP's input cast makes them)
+    rope = 0 if fsdp or switches.act_bytes == 4 or switches.ac_mode == "full_offload" else (
+        args.n_layers * switches.act_bytes * args.head_dim * tokens_per_rank)
+    return est.saved_activations + logits - rope
 
 
 CASES = {
@@ -52,9 +58,10 @@ def test_saved_activations_match_the_estimate(case):
     args = get_flavor("debugmodel", **overrides)
     model = Transformer(args).to(dtype)
     apply_ac(model, ac)
-    measured = saved_bytes(model, torch.randint(0, args.vocab_size, (1, SEQ)))
+    with cuda_kernel_choices():  # fp32 GQA: kv heads expanded for CUDA's non-flash kernels
+        measured = saved_bytes(model, torch.randint(0, args.vocab_size, (1, SEQ)))
     switches = Switches(ac_mode=ac, act_bytes=torch.finfo(dtype).bits // 8, **overrides)
-    expected = expected_saved(args, Layout(), switches, SEQ)
+    expected = expected_saved(args, Layout(), switches, SEQ, fsdp=False)
     assert abs(expected - measured) / measured < 0.01, (expected, measured)
 
 
@@ -66,7 +73,8 @@ def _sp2_matches():
     apply_ulysses(model, pd.get_mesh("sp"))
     rank = pd.get_mesh("sp").get_local_rank()
     tokens = torch.randint(0, args.vocab_size, (1, SEQ // 2))
-    measured = saved_bytes(model, tokens, torch.arange(rank * SEQ // 2, (rank + 1) * SEQ // 2))
+    with cuda_kernel_choices():
+        measured = saved_bytes(model, tokens, torch.arange(rank * SEQ // 2, (rank + 1) * SEQ // 2))
     expected = expected_saved(args, Layout(sp=2), Switches(act_bytes=4), SEQ // 2)
     assert abs(expected - measured) / measured < 0.01, (expected, measured)
     # the parameter shards FSDP leaves on this rank, against the estimate's parameter term
@@ -88,10 +96,20 @@ def test_each_switch_moves_its_term():
     plain = estimate(args, Layout(sp=8), base, 131072)
     assert estimate(args, Layout(sp=8), dataclasses.replace(base, ac_mode="full"), 131072).saved_activations \
         < plain.saved_activations / 5
-    assert estimate(args, Layout(sp=8), dataclasses.replace(base, loss_chunk_size=2048), 131072).logits \
-        == pytest.approx(plain.logits / 8)
-    assert estimate(args, Layout(sp=8), dataclasses.replace(base, mlp_tile_size=2048), 131072).mlp_working_set \
-        == pytest.approx(plain.mlp_working_set / 8)
+    # 16384 local tokens: unchunked, the fp32 log-probabilities, their gradient and log_softmax's backward
+    # output (12 bytes per logit); chunked, one 2048-token chunk's fp32 logits and softmax (8 bytes)
+    assert plain.logits == pytest.approx(12 * 16384 * args.vocab_size)
+    chunked = estimate(args, Layout(sp=8), dataclasses.replace(base, loss_chunk_size=2048), 131072)
+    assert chunked.logits == pytest.approx(8 * 2048 * args.vocab_size)
+    # the loss backward phase trades the logits for the chunked loss's fp32 [V, D] and [T, D] gradients
+    assert plain.phases["loss backward"] - chunked.phases["loss backward"] == pytest.approx(
+        plain.logits - chunked.logits - chunked.loss_weight_gradient)
+    # tiled MLP: one 2048-token tile's recompute and gradients (6 [tile, F] tensors) and the MLP
+    # weights' gradient summed over tiles, instead of two [T, F] gradients beside the recompute
+    tiled = estimate(args, Layout(sp=8), dataclasses.replace(base, mlp_tile_size=2048), 131072)
+    f, d = args.ffn_hidden_dim, args.dim
+    assert plain.mlp_working_set == pytest.approx(2 * 2 * f * 16384)
+    assert tiled.mlp_working_set == pytest.approx(6 * 2 * f * 2048 + 2 * 2 * 3 * d * f)
     double = estimate(args, Layout(sp=4), base, 131072)  # (at sp=16 kv heads would be replicated)
     assert plain.saved_activations == pytest.approx(double.saved_activations / 2, rel=0.02)
     offload = estimate(args, Layout(sp=8), dataclasses.replace(base, cpu_offload=True), 131072)
@@ -121,7 +139,7 @@ def test_a_config_beyond_the_device_is_a_warning_naming_the_recommendation():
     config = ["--config", "train_configs/llama3_8b_128k.toml"]
     shipped = load_config(config)
     assert memory_warning(shipped, validate(shipped, 8), 8, 80 * 2**30) is None
-    long = load_config(config + ["--training.seq_len", "1048576"])
+    long = load_config(config + ["--training.seq_len", "2097152"])
     warning = memory_warning(long, validate(long, 8), 8, 80 * 2**30)
     assert "more than the device's 80.0 GiB" in warning
     assert "scripts/estimate_memory.py recommends --parallelism.ulysses_degree" in warning

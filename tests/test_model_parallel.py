@@ -97,6 +97,8 @@ CASES = {
     "sp2-tp2-tiled-mlp": (4, dict(sp=2, tp=2), "none", 1, dict(mlp_tile_size=3)),
     "sp2-ac-full-tiled-mlp": (2, dict(sp=2), "full", 1, dict(mlp_tile_size=2)),
     "dp_shard2-sp2-ac-selective": (4, dict(dp_shard=2, sp=2), "selective", 1, {}),
+    # selective AC keeps no matmul output of the tiled MLP's forward (it recomputes its own tiles)
+    "sp2-ac-selective-tiled-mlp": (2, dict(sp=2), "selective", 1, dict(mlp_tile_size=2)),
     # head counts Ulysses does not divide (distributed/heads.py): q heads 6/5/5 straddling kv groups
     "sp3-16heads-kv4-uneven": (3, dict(sp=3), "none", 1, dict(n_heads=16, n_kv_heads=4)),
     # a miniature of Qwen2.5-7B at sp=8: 28 heads (4,3,4,3,...), 4 kv heads each sent to two ranks

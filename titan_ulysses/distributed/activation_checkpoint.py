@@ -21,6 +21,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from titan_ulysses.ops.tiled import tiled_forward_running
+
 AC_MODES = ("none", "full", "selective", "full_offload")
 
 
@@ -52,7 +54,13 @@ def _save_list() -> set:
 
 
 def _selective_policy(save_ops, ctx, func, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if func in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+    # the tiled MLP's forward (ops/tiled.py) keeps only its input and recomputes each tile in
+    # its own backward: keeping its matmuls' outputs here would keep every tile's [tile,
+    # ffn_hidden] intermediates, which the tiling exists to avoid (the recompute runs the
+    # tiles again, so forward and recompute decide alike)
+    if func in save_ops and not tiled_forward_running():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():

@@ -6,13 +6,18 @@ the local q and kv widths; r the kv replication factor of Ulysses; F = ffn_hidde
 V vocabulary; N layers. Where Ulysses splits the heads unevenly (``distributed/heads.py``),
 the attention terms below are those of the busiest rank: ``q`` and ``r kv`` become its
 heads times sp, and a rank that expands its kv heads to one per q head keeps both copies.
+In fp32 with GQA (no cp) CUDA's sdpa kernels other than flash need a kv head per q head
+(``ops/attention.py``): attention keeps the expanded k and v instead.
 
 What autograd keeps per layer and local token without activation checkpointing, read off
 ``models/llama/model.py`` (bytes):
 
 * RMSNorm x2: its input and one fp32 scale per token, ``aD + 4`` each (``ops/norm.py``);
 * the q/k/v projections' input (the norm output): ``aD``;
-* RoPE on q and k: nothing per layer (its cos/sin tables are shared by all layers);
+* RoPE on q and k: its fp32 cos/sin tables are shared by all layers, but in bf16 FSDP casts
+  every block's floating-point inputs to the compute dtype (``MixedPrecisionPolicy``'s
+  ``cast_forward_inputs``), so each block keeps its own bf16 copy of both: ``a Dh`` (kept
+  under every AC mode: they are the checkpoint's inputs; fp32: no copy);
 * attention: q, k, v of the whole sequence and my heads -- one all-to-all buffer,
   ``a(q + 2 r kv)`` -- its output ``aq`` and logsumexp ``4 Hq/tp``;
 * the output projection's input: ``aq`` after the return all-to-all (sp > 1); without
@@ -21,21 +26,68 @@ What autograd keeps per layer and local token without activation checkpointing, 
   (tiled MLP: the input only).
 
 Selective AC keeps the matmul, attention and all-to-all outputs (``a(q + 2kv) + 2aD + 2aF``,
-the attention terms and the block input); full AC keeps the block input ``aD``;
-full_offload keeps it in host memory. Under AC the backward of a layer briefly holds its
-full set again (the recompute), counted once. Transients counted at their peak: the
-all-to-all send and receive buffers and attention gradients (``3 a (q + 2 r kv)`` per token),
-the MLP backward (``2aF`` per token, or per tile), and the logits: ``T x V`` in the
-compute dtype plus fp32 log-softmax and gradient (chunked loss: ``chunk x V``).
+the attention terms and the block input; with a tiled MLP, whose matmuls run inside its
+own recompute, not ``aD + 2aF``: ``distributed/activation_checkpoint.py``); full AC keeps
+the block input ``aD``; full_offload keeps it in host memory. Under AC the backward of a layer holds again what
+its mode did not keep (the recompute, ``layer_recompute``; under selective AC with cp, the
+gathered K/V stay beside the prefixes recomputed from them).
 
-Parameters: fp32 master weights sharded by FSDP over dp_shard x sp (blocks also over tp),
-fp32 gradients and two fp32 AdamW states alike; FSDP's unsharded working copy of two
-blocks (the one computing and the one prefetched) in the compute dtype, plus their
-gradients before the reduce-scatter, plus the embeddings and output layer while in use.
+The peak is the largest of the phases of a steady-state step (``Estimate.phases``), each
+checked against PyTorch's ``FSDPMemTracker`` under fake tensors on CPU
+(``metrics/memory_track.py``, ``scripts/estimate_memory.py --track``). Always resident:
+fp32 master weights sharded by FSDP over dp_shard x cp x sp (blocks also over tp) and two
+fp32 AdamW states alike. The trainer zeroes gradients with ``set_to_none``, so the sharded
+fp32 gradients exist only from each block's reduce-scatter in backward until the optimizer
+step (with gradient accumulation, ``Switches.microbatches > 1``, from the first microbatch
+on). FSDP keeps the root's parameters (embeddings, final norm, output) unsharded in the
+compute dtype from forward to the end of backward (``distributed/fsdp.py``:
+``reshard_after_forward=False``), and its last all-gather buffer, one block's worth, until
+the next all-gather. The phases:
+
+* loss forward: everything forward saved, plus the logits of one chunk (``logits``): the
+  chunked loss (``ops/loss.py``) holds ``chunk x V`` fp32 logits and their log-softmax,
+  ``8 chunk V``; unchunked, the compute-dtype logits, their fp32 upcast and log-softmax;
+* loss backward: the same, with the chunked loss's fp32 ``[V, D]`` output-weight gradient
+  and the hidden states' gradient (``loss_weight_gradient``) beside a chunk's fp32 logits
+  and softmax (``8 chunk V``); unchunked, the saved fp32 log-probabilities, their gradient
+  and log-softmax's backward output (``12 T V``); one block prefetched. Where the chunk is
+  small, the final RMSNorm's fp32 temporaries are the peak of both loss phases instead
+  (``norm_working_set``: ``16 D T`` bytes in backward plus a ``4 D T`` upcast in bf16);
+* each layer's backward (the largest of the last two and the first two layers: the terms
+  are linear in the layer index between them): the sharded gradients of the blocks
+  after it, the root's parameters and the output weight's gradient in the compute dtype,
+  this block's unsharded parameters and gradients and the next block's all-gather
+  (``unsharded_working_params``; block 0 has no next), the previous block's fp32
+  reduce-scatter input, which FSDP keeps until the next reduce-scatter
+  (``reduce_scatter``), the saved activations of
+  this layer and the ones below, the recompute, and the largest of the attention's, the
+  MLP's and the ffn_norm's backward working sets (the last: its fp32 temporaries, as the
+  final norm's below, and two residual-stream gradients, once the MLP's intermediates are
+  freed; the peak where the MLP is tiled);
+* the embeddings' backward and the root's reduce-scatter at the end of backward: every
+  block's sharded gradients, and the larger of the embeddings' backward (the root's
+  parameters, the output weight's and the embeddings' gradients, block 0's reduce-scatter
+  input) and the root's reduce-scatter (its gradients in the compute dtype and their fp32
+  reduce-scatter input; the root's parameters are resharded before it; in a world of one,
+  the input beside a full-size output and FSDP's out-of-place division; ``root_gradients``);
+* the optimizer step: parameters, gradients and states (the fused AdamW of CUDA allocates
+  no temporaries).
+
+The forward of a layer holds less than its backward (no gradients), so it is not a phase
+here. Working sets, counted at their peak: the attention's (the all-to-all send and receive
+buffers and attention gradients, ``3 a (q + 2 r kv)`` per token) and the MLP's backward (its
+output's gradient, the SiLU and product gradients beside the recomputed intermediates,
+``2aF`` per token beyond the recompute; tiled: the recompute of one tile too, ``6aF`` per
+tile token, and the MLP weights' gradient summed over tiles, ``2 a 3DF``).
 CPU offload moves the sharded parameters, gradients and optimizer state to host memory.
 Not modelled: the CUDA context and NCCL buffers (about 1-3 GiB on an H100), allocator
-fragmentation, torch.compile's workspace. ``scripts/estimate_memory.py --validate``
-compares the estimate with a measured step.
+fragmentation, CUDA kernels' workspaces (cuBLAS, the flash attention backward's fp32 dq
+accumulator; on an H200, 0.06 GiB beyond the tracker at the 8B's peak, so the estimate is
+that much under ``max_memory_allocated``: ``memory_fit.BUDGET`` leaves 10% of the device
+for all of these), torch.compile's buffers and its fusions (compiled norms and SiLU keep
+fewer fp32 temporaries: compiled steps need less). ``scripts/estimate_memory.py
+--validate`` compares the estimate with a measured step on CUDA, ``--track`` with the CPU
+tracker.
 
 Context parallelism (cp > 1, ``distributed/context_parallel.py``) adds, per layer, the keys and
 values each of a rank's two chunks attends to: the prefixes of the gathered K/V that end with
@@ -49,7 +101,7 @@ documents (``S x S / cp`` bytes per layer with cp; ``B x S x S`` for any sdpa do
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from titan_ulysses.distributed.heads import attended_heads
 from titan_ulysses.models.llama.args import LlamaArgs
@@ -73,44 +125,73 @@ class Switches:
     cpu_offload: bool = False
     act_bytes: int = 2
     """Bytes per activation: 2 (bf16 compute) or 4 (fp32)."""
+    microbatches: int = 1
+    """Microbatches per optimizer step (gradient accumulation): from the second on, the sharded
+    gradients of the earlier ones exist through the whole forward and backward."""
 
 
 @dataclass
 class Estimate:
+    """Bytes per device. Each field is one term at its peak; ``phases`` adds up the terms alive
+    together in each phase of the step, and ``total`` is the largest phase."""
+
     parameters: float
     gradients: float
     optimizer: float
     unsharded_working_params: float
+    """FSDP's compute-dtype copies during a layer's backward: the root's parameters, this block's
+    parameters and gradients and the next block's all-gather buffer."""
     saved_activations: float
     layer_recompute: float
     attention_working_set: float
     mlp_working_set: float
     logits: float
+    """The loss's largest transient over tokens x vocabulary (one chunk with ``loss_chunk_size``)."""
     host_offloaded: float
     """Bytes moved to host memory (not in ``total``)."""
+    loss_weight_gradient: float = 0.0
+    """The chunked loss backward's fp32 [V, D] output-weight gradient and the hidden states' gradient."""
+    reduce_scatter: float = 0.0
+    """One block's fp32 reduce-scatter input, kept by FSDP until the next block's reduce-scatter."""
+    root_gradients: float = 0.0
+    """The root's reduce-scatter at the end of backward: its gradients in the compute dtype and their fp32
+    reduce-scatter input, or that input beside the output."""
+    norm_working_set: float = 0.0
+    """The final RMSNorm's fp32 temporaries in backward (its forward holds fewer), beside the output weight's
+    and the hidden states' gradients: the loss phases' peak where the logits chunk is small."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Phase of the step -> bytes alive at its peak (see the module docstring)."""
 
     @property
     def total(self) -> float:
-        transient = max(self.attention_working_set, self.mlp_working_set, self.logits)
-        return (self.parameters + self.gradients + self.optimizer + self.unsharded_working_params
-                + self.saved_activations + self.layer_recompute + transient)
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "total": self.total}
+        terms = {k: v for k, v in asdict(self).items() if k != "phases"}
+        return {**terms, "phases": dict(self.phases), "total": self.total, "peak_phase": self.peak_phase}
 
 
-def _widths(args: LlamaArgs, layout: Layout) -> tuple[int, int, int, int, int, int, int]:
+def _widths(args: LlamaArgs, layout: Layout, fp32: bool = False) -> tuple[int, int, int, int, int, int, int]:
     """(D, q, kv, the attended widths qa, kva_held, kva, F) per local token.
 
     q, kv: the projections' widths on a tp rank. qa, kva: the q and kv widths the busiest sp
     rank attends with over the whole sequence, per local token (``heads x sp x Dh``; even
-    splits: q and r kv); kva_held adds the received kv heads where a rank expands them.
+    splits: q and r kv); kva_held adds the received kv heads where a rank expands them, as
+    in ``fp32`` without cp, where CUDA's sdpa kernels other than flash need a kv head per q
+    head (``ops/attention.py``): attention keeps the expanded copies, and under Ulysses the
+    all-to-all's buffer they were cut from, which holds q too.
     """
     q = args.n_heads * args.head_dim // layout.tp
     kv = args.n_kv_heads * args.head_dim // layout.tp
     n_q, n_kv_in, n_kv = attended_heads(args.n_heads // layout.tp, args.n_kv_heads // layout.tp, layout.sp)
     per_head = layout.sp * args.head_dim
     held = n_kv + (n_kv_in if n_kv != n_kv_in else 0)
+    if fp32 and layout.cp == 1 and n_kv != n_q:  # after Ulysses the received k, v share q's kept buffer
+        held = n_q + (held if layout.sp > 1 else 0)
     return args.dim, q, kv, n_q * per_head, held * per_head, n_kv * per_head, args.ffn_hidden_dim // layout.tp
 
 
@@ -123,7 +204,7 @@ def _cp_kv_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
 
 def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: str = "none") -> float:
     """Bytes one layer keeps for backward per local token under AC ``mode``."""
-    d, q, kv, qa, kva_held, kva, f = _widths(args, layout)
+    d, q, kv, qa, kva_held, kva, f = _widths(args, layout, s.act_bytes == 4)
     a = s.act_bytes
     heads = qa // args.head_dim  # busiest rank's q heads x sp
     attention = a * (qa + 2 * kva_held) + a * qa + 4 * heads
@@ -132,42 +213,116 @@ def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: st
     wo_input = a * q if layout.sp > 1 else 0
     if layout.cp > 1:  # selective AC keeps the all-gather's output and recomputes the prefixes cut from it
         attention += a * 2 * layout.cp * kva if mode == "selective" else _cp_kv_per_token(args, layout, s)
+    rope = a * args.head_dim if a < 4 else 0  # the block's bf16 cos and sin, [T, Dh/2] each
     if mode in ("full", "full_offload"):
-        return a * d if mode == "full" else 0.0
+        return a * d + rope if mode == "full" else 0.0
     if mode == "selective":
-        return a * (q + 2 * kv) + 2 * a * d + (0 if s.mlp_tile_size else 2 * a * f) + attention + wo_input + a * d
+        # the MLP's matmul outputs (w1, w3, w2), untiled; tiled, nothing (its input is recomputed too)
+        mlp = 0 if s.mlp_tile_size else 2 * a * f + a * d
+        return a * (q + 2 * kv) + a * d + mlp + attention + wo_input + a * d + rope
     mlp = a * d + (0 if s.mlp_tile_size else 4 * a * f)
     norms = 2 * (a * d + 4)
-    return norms + a * d + attention + wo_input + mlp
+    return norms + a * d + attention + wo_input + mlp + rope
+
+
+def _loss_transients(args: LlamaArgs, s: Switches, tokens: float) -> tuple[float, float, float]:
+    """(forward, backward, beside the backward's logits) bytes of the loss (``ops/loss.py``) over ``tokens`` rows.
+
+    Chunked, per chunk of r rows: forward, the fp32 logits and their log-softmax; backward,
+    the fp32 logits and their softmax (then the softmax, its compute-dtype cast and the hidden
+    states' gradient of the chunk), beside the whole fp32 [V, D] gradient and [T, D] hidden
+    gradient. Unchunked: forward, the logits, their fp32 upcast (a copy in bf16) and
+    log-softmax; backward, the saved log-softmax, its gradient and log_softmax's backward output.
+    """
+    a, v, d = s.act_bytes, args.vocab_size, args.dim
+    cast = a if a < 4 else 0  # bytes of a copy to fp32 or back (none in fp32)
+    if s.loss_chunk_size:
+        r = min(s.loss_chunk_size, tokens)
+        forward = max(cast * r * v + 4 * r * v, 8 * r * v)
+        backward = max(8 * r * v, (4 + cast) * r * v + a * r * d)
+        return forward, backward, 4 * v * d + a * tokens * d
+    return (a + (4 if cast else 0) + 4) * tokens * v, 12 * tokens * v, 0.0
 
 
 def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1) -> Estimate:
     """The memory of one rank for a step of ``local_batch`` sequences of ``seq_len`` tokens."""
     s, a = switches, switches.act_bytes
     tokens = local_batch * seq_len / (layout.sp * layout.cp)  # T
-    d, q, kv, qa, kva_held, _, f = _widths(args, layout)
+    d, q, kv, qa, kva_held, kva, f = _widths(args, layout, s.act_bytes == 4)
+    n = layout.dp_shard * layout.cp * layout.sp
     block = 2 * d * (q + kv) + 3 * d * f + 2 * d  # one block's parameters on a tp rank
     other = args.vocab_size * d * (1 if args.tie_embeddings else 2) + d
-    shard = (args.n_layers * block + other) / (layout.dp_shard * layout.cp * layout.sp)
+    shard = (args.n_layers * block + other) / n
     states = {"parameters": 4 * shard, "gradients": 4 * shard, "optimizer": 8 * shard}
     host = 0.0
     if s.cpu_offload:
         host = sum(states.values())
         states = dict.fromkeys(states, 0.0)
-    working = 2 * block * (a + 4) + other * a
+    block_grad = states["gradients"] and 4 * block / n  # one block's sharded fp32 gradient (0 when offloaded)
     per_layer = layer_bytes_per_token(args, layout, s, s.ac_mode)
-    saved = args.n_layers * per_layer * tokens + tokens * (8 + (a * d + 4) + a * d)  # + token ids, final norm, its output
+    head = tokens * (8 + (a * d + 4) + a * d)  # token ids, the final norm's input and scale, its output
+    saved = args.n_layers * per_layer * tokens + head
     if s.ac_mode == "full_offload":
         host += args.n_layers * a * d * tokens
-    recompute = 0.0 if s.ac_mode == "none" else layer_bytes_per_token(args, layout, s, "none") * tokens
+    full_set = layer_bytes_per_token(args, layout, s, "none")
+    # what the layer's backward holds: its full set, of which the mode kept per_layer (selective keeps
+    # tensors the full set does not -- the projections' outputs -- but they are released as the recompute
+    # consumes them; with cp, the gathered K/V stay beside the prefixes recomputed from them)
+    recompute = 0.0 if s.ac_mode == "none" else max(full_set - per_layer, 0.0) * tokens
+    if s.ac_mode == "selective" and layout.cp > 1:
+        recompute += 2 * a * layout.cp * kva * tokens
     cp_kv = _cp_kv_per_token(args, layout, s) * tokens if layout.cp > 1 else 0.0  # and as much of their gradients
     attention_ws = 3 * a * (qa + 2 * kva_held) * tokens + 2 * cp_kv
-    mlp_ws = 2 * a * f * (min(s.mlp_tile_size, tokens) if s.mlp_tile_size else tokens)
-    logit_rows = min(s.loss_chunk_size, tokens) if s.loss_chunk_size else tokens
-    logits = logit_rows * args.vocab_size * (a + 8)
+    if s.mlp_tile_size:  # one tile's recompute and gradients; the MLP weights' gradients summed over tiles
+        mlp_ws = 6 * a * f * min(s.mlp_tile_size, tokens) + 2 * a * 3 * d * f
+    else:
+        mlp_ws = 2 * a * f * tokens
+    loss_fwd, loss_bwd, loss_weight_grad = _loss_transients(args, s, tokens)
+    # the final RMSNorm (ops/norm.py) computes in fp32: forward its input's upcast, the
+    # normalised input and its product with the weight; backward five [T, D] fp32 tensors
+    upcast = 4 * d * tokens if a < 4 else 0.0
+    norm_fwd, norm_bwd = 8 * d * tokens + upcast, 16 * d * tokens + upcast
+
+    root, one_block = a * other, a * block
+    rs_block = 4 * block
+    # the root's reduce-scatter (FSDP's foreach_reduce): its gradients copied into the fp32 input,
+    # then the input beside the output (a world of one: beside a full-size output and the quotient
+    # by the divide factor, which FSDP computes out of place)
+    root_grads = max((a + 4) * other, 4 * other * (1 + 1 / n + (1 if n == 1 else 0)))
+    # the embeddings' backward, before it: the root still unsharded, the output weight's gradient,
+    # the embeddings' own (tied: and their sum), the gradient of the embeddings' output and
+    # block 0's reduce-scatter input
+    embedding = root + a * args.vocab_size * d * (3 if args.tie_embeddings else 2) + a * tokens * d + rs_block
+    rest = states["parameters"] + states["optimizer"]
+    earlier = states["gradients"] if s.microbatches > 1 else 0.0  # gradients of earlier microbatches
+    working = root + 3 * one_block  # root, this block, its gradients, the next block's all-gather
+
+    def layer_backward(i: int) -> float:  # block i of n_layers, counted from the input
+        done = earlier or (args.n_layers - 1 - i) * block_grad
+        held = rs_block if i < args.n_layers - 1 else 0.0  # the reduce-scatter input of block i + 1
+        prefetch = one_block if i > 0 else 0.0  # block i - 1's all-gather
+        return (rest + done + working - one_block + prefetch + a * args.vocab_size * d + held
+                + (i + 1) * per_layer * tokens + recompute + layer_ws)
+
+    # a layer's ffn_norm backward (after the MLP's backward freed its intermediates): the norm's fp32
+    # temporaries and two residual-stream gradients beside the rest of the layer's activations
+    norm_ws = norm_bwd + 2 * a * d * tokens - (a * d + (0 if s.mlp_tile_size else 4 * a * f)) * tokens
+    layer_ws = max(attention_ws, mlp_ws, norm_ws)
+    last = args.n_layers - 1
+    phases = {
+        "loss forward": rest + earlier + root + one_block + saved + max(loss_fwd, norm_fwd),
+        "loss backward": rest + earlier + root + one_block + saved
+        + max(loss_weight_grad + loss_bwd, a * args.vocab_size * d + a * tokens * d + norm_bwd),
+        "layer backward": max(layer_backward(i) for i in {last, max(last - 1, 0), min(1, last), 0}),
+        "embedding backward": rest + (earlier or args.n_layers * block_grad) + max(embedding, root_grads),
+        "optimizer step": rest + states["gradients"],
+    }
     return Estimate(
-        unsharded_working_params=working, saved_activations=saved, layer_recompute=recompute,
-        attention_working_set=attention_ws, mlp_working_set=mlp_ws, logits=logits, host_offloaded=host, **states,
+        unsharded_working_params=float(working), saved_activations=saved, layer_recompute=recompute,
+        attention_working_set=attention_ws, mlp_working_set=float(mlp_ws), logits=float(max(loss_fwd, loss_bwd)),
+        host_offloaded=host, loss_weight_gradient=float(loss_weight_grad), reduce_scatter=float(rs_block),
+        root_gradients=float(root_grads), norm_working_set=float(norm_bwd),
+        phases={k: float(v) for k, v in phases.items()}, **states,
     )
 
 

@@ -26,14 +26,17 @@ SWITCH_ORDER = [  # (override, Switches change), cumulative, as in docs/guide.md
 
 
 def from_config(config, dims):
+    from titan_ulysses.config.manager import resolved_global_batch_size
     from titan_ulysses.trainer import model_args  # the trainer imports this module
 
     args = model_args(config, 0)
     t = config.training
+    dp = dims.size("dp")
     switches = Switches(
         ac_mode=config.activation_checkpoint.mode, loss_chunk_size=args.loss_chunk_size,
         mlp_tile_size=args.mlp_tile_size, cpu_offload=t.enable_cpu_offload,
         act_bytes=2 if t.mixed_precision_param == "bfloat16" else 4,
+        microbatches=resolved_global_batch_size(config, dp) // (t.local_batch_size * dp),
     )
     return args, Layout(dp_shard=dims.size("dp_shard"), sp=dims.sp, tp=dims.tp, cp=dims.cp), switches
 

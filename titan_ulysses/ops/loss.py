@@ -3,7 +3,9 @@
 At long sequence lengths the logits are the largest activation of the step: for
 Llama-3 (vocab 128256) a 128K-token slice has 64 GiB of fp32 logits. The chunked path
 computes the loss ``chunk_size`` tokens at a time and recomputes each chunk's logits in
-backward, so at most ``[chunk_size, vocab]`` logits exist at once.
+backward, so at most ``[chunk_size, vocab]`` logits exist at once (in fp32, twice: the
+upcast logits and their softmax; backward also holds an fp32 ``[vocab, D]`` gradient of
+the output weight -- ``metrics/memory_estimate.py`` counts them).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for h, lab in zip(hidden.split(chunk_size), labels.split(chunk_size)):
             logits = upcast(h @ weight.t())  # [chunk, V]
             total += F.cross_entropy(logits, lab, ignore_index=ignore_index, reduction="sum")
+            del logits  # else it lives on while the next chunk's logits are computed
         ctx.save_for_backward(hidden, weight, labels)
         ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
         return total
@@ -51,11 +54,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             # d(sum CE)/d logits = softmax - one_hot(label), zero on ignored tokens
             grad_logits = torch.softmax(upcast(h @ weight.t()), dim=-1)  # [chunk, V]
             valid = lab != ctx.ignore_index
-            rows = torch.arange(lab.shape[0], device=lab.device)
-            grad_logits[rows[valid], lab[valid]] -= 1.0
+            # -1 at each valid label; a scatter rather than boolean indexing: static shapes (no host
+            # sync on CUDA; FakeTensorMode can run it, see scripts/estimate_memory.py --track)
+            grad_logits.scatter_add_(1, (lab * valid)[:, None], -valid[:, None].to(grad_logits.dtype))
             grad_logits *= valid[:, None] * grad_total
             grad_hidden[start : start + ctx.chunk_size] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            grad_weight += grad_logits.t() @ upcast(h)
+            grad_weight.addmm_(grad_logits.t(), upcast(h))  # in place: no second [V, D] fp32 buffer
+            del grad_logits  # else it lives on while the next chunk's softmax is computed: 4 x chunk x V bytes
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
 
 

@@ -19,13 +19,26 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+_forward_depth = 0
+
+
+def tiled_forward_running() -> bool:
+    """Whether a tiled forward is running: what it computes is never kept (selective AC asks)."""
+    return _forward_depth > 0
+
+
 class _TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, tile_size: int, x, *params):
+        global _forward_depth
         ctx.fn, ctx.tile_size = fn, tile_size
         ctx.save_for_backward(x, *params)
-        with torch.no_grad():
-            return torch.cat([fn(t) for t in x.split(tile_size, dim=1)], dim=1)
+        _forward_depth += 1
+        try:
+            with torch.no_grad():  # detached tiles: no view of a tensor that requires grad reaches the modules' hooks
+                return torch.cat([fn(t) for t in x.detach().split(tile_size, dim=1)], dim=1)
+        finally:
+            _forward_depth -= 1
 
     @staticmethod
     def backward(ctx, grad_out):
