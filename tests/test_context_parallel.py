@@ -291,11 +291,11 @@ def test_estimator_and_comm_model_know_cp():
     # Qwen2.5-7B's shape (28 heads, 4 kv heads): ulysses_degree 8 splits the heads unevenly, so with
     # sdpa a length that needs 8 ranks per sequence gets the even ulysses 4 x context_parallel 2
     qwen = get_flavor("8B", dim=3584, n_heads=28, n_kv_heads=4, ffn_hidden_dim=18944, vocab_size=152064)
-    rec = recommend(qwen, Layout(dp_shard=8), sw, 2621440, 1, 8, 0.9 * 80 * GIB)
+    rec = recommend(qwen, Layout(dp_shard=8), sw, 3145728, 1, 8, 0.9 * 80 * GIB)
     assert rec is not None and rec[1][:2] == ["--parallelism.ulysses_degree 4",
                                               "--parallelism.context_parallel_degree 2"], rec[1]
     # where Ulysses alone is allowed it is chosen: the 8B (32 heads) at the same length
-    rec = recommend(big, Layout(dp_shard=8), sw, 2621440, 1, 8, 0.9 * 80 * GIB)
+    rec = recommend(big, Layout(dp_shard=8), sw, 3145728, 1, 8, 0.9 * 80 * GIB)
     assert rec is not None and rec[1][0] == "--parallelism.ulysses_degree 8" and "context" not in " ".join(rec[1])
 
 
@@ -311,10 +311,10 @@ def test_recommend_proposes_cp_only_with_sdpa():
 
     qwen = dict(dim=3584, n_heads=28, n_kv_heads=4, ffn_hidden_dim=18944, vocab_size=152064)
     for backend in ("flex", "flash_attn"):
-        # 2.5M tokens of Qwen2.5-7B's shape on 8 GPUs: nothing fits over 4 ranks without CPU offload;
+        # 3M tokens of Qwen2.5-7B's shape on 8 GPUs: nothing fits over 4 ranks without CPU offload;
         # ulysses 8 (heads 4,3,4,3,...) does, on the same backend
         rec = recommend(get_flavor("8B", attn_backend=backend, **qwen), Layout(dp_shard=8), Switches(),
-                        2621440, 1, 8, 0.9 * 80 * GIB)
+                        3145728, 1, 8, 0.9 * 80 * GIB)
         assert rec is not None and rec[1][0] == "--parallelism.ulysses_degree 8", rec[1]
         assert not any("context_parallel" in f or "attn_backend" in f or "cpu_offload" in f for f in rec[1]), rec[1]
 

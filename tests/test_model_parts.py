@@ -87,11 +87,15 @@ def test_cu_seqlens_never_spans_rows():
     assert longest == 3
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_equals_the_fp32_reference_and_keeps_only_its_input(dtype):
+@pytest.mark.parametrize("dtype,chunk", [(torch.float32, 4096), (torch.bfloat16, 4096), (torch.float32, 3)],
+                         ids=["fp32", "bf16", "fp32-chunks-of-3-tokens"])
+def test_rms_norm_equals_the_fp32_reference_and_keeps_only_its_input(dtype, chunk, monkeypatch):
     from torch.autograd.graph import saved_tensors_hooks
 
+    from titan_ulysses.ops import norm
     from titan_ulysses.ops.norm import rms_norm
+
+    monkeypatch.setattr(norm, "CHUNK_TOKENS", chunk)  # 14 tokens: 5 chunks, the last of 2
 
     torch.manual_seed(0)
     x = torch.randn(2, 7, 32, dtype=dtype, requires_grad=True)

@@ -104,6 +104,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from titan_ulysses.distributed.heads import attended_heads
+from titan_ulysses.ops.norm import CHUNK_TOKENS as NORM_CHUNK_TOKENS
 from titan_ulysses.models.llama.args import LlamaArgs
 
 GIB = 1024**3
@@ -278,10 +279,12 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     else:
         mlp_ws = 2 * a * f * tokens
     loss_fwd, loss_bwd, loss_weight_grad = _loss_transients(args, s, tokens)
-    # the final RMSNorm (ops/norm.py) computes in fp32: forward its input's upcast, the
-    # normalised input and its product with the weight; backward five [T, D] fp32 tensors
-    upcast = 4 * d * tokens if a < 4 else 0.0
-    norm_fwd, norm_bwd = 8 * d * tokens + upcast, 16 * d * tokens + upcast
+    # the final RMSNorm (ops/norm.py) computes in fp32, CHUNK_TOKENS tokens at a time in eager
+    # mode: forward a chunk's upcast input, normalised input and its product with the weight;
+    # backward five [chunk, D] fp32 tensors
+    rows = min(tokens, NORM_CHUNK_TOKENS)
+    upcast = 4 * d * rows if a < 4 else 0.0
+    norm_fwd, norm_bwd = 8 * d * rows + upcast, 16 * d * rows + upcast
 
     root, one_block = a * other, a * block
     rs_block = 4 * block
