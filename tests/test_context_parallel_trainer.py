@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from test_fake_mode import run_fake_world
 from test_trainer import BASE, layout, losses, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,16 +59,9 @@ def test_fake_world_runs_cp_and_reports_its_volume(tmp_path):
     from titan_ulysses.metrics.comm import context_parallel_bytes_per_step
     from titan_ulysses.models.llama.args import get_flavor
 
-    out = tmp_path / "fake"
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--config", "train_configs/debug_model.toml", "--comm.mode", "fake",
-         "--comm.fake_world_size", "8", "--parallelism.ulysses_degree", "4", "--parallelism.context_parallel_degree", "2",
-         "--training.seq_len", "1024", "--training.local_batch_size", "1", "--training.steps", "1",
-         "--checkpoint.enable", "false", "--job.dump_folder", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "'cp': 2" in proc.stdout and "'sp': 4" in proc.stdout
-    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    stdout, metrics = run_fake_world(tmp_path, 8, "--parallelism.ulysses_degree", "4",
+                                     "--parallelism.context_parallel_degree", "2", "--training.seq_len", "1024",
+                                     "--training.steps", "1")
+    assert "'cp': 2" in stdout and "'sp': 4" in stdout
     expected = context_parallel_bytes_per_step(get_flavor("debugmodel"), 1024, 1, 2, 4, 1, 4, False)
     assert metrics[-1]["cp_gib_per_step"] == pytest.approx(expected / 2**30)

@@ -23,18 +23,23 @@ def test_a2a_volume_by_hand():
     assert ulysses_bytes_per_step(args, 4096, 1, 1, 1, 4, False) == 0.0
 
 
-def test_fake_world_runs_a_production_layout_in_one_process(tmp_path):
+def run_fake_world(tmp_path, world: int, *overrides: str):
+    """train.py on the debug model as rank 0 of a fake world of ``world``, one process: (stdout, metrics lines)."""
     out = tmp_path / "fake"
     proc = subprocess.run(
         [sys.executable, "train.py", "--config", "train_configs/debug_model.toml", "--comm.mode", "fake",
-         "--comm.fake_world_size", "8", "--parallelism.ulysses_degree", "8", "--training.seq_len", "4096",
-         "--training.local_batch_size", "1", "--training.steps", "2", "--metrics.log_freq", "1",
+         "--comm.fake_world_size", str(world), "--training.local_batch_size", "1", *overrides,
          "--checkpoint.enable", "false", "--job.dump_folder", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "FAKE process group: rank 0 of 8" in proc.stdout and "'sp': 8" in proc.stdout
-    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return proc.stdout, [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def test_fake_world_runs_a_production_layout_in_one_process(tmp_path):
+    stdout, metrics = run_fake_world(tmp_path, 8, "--parallelism.ulysses_degree", "8", "--training.seq_len", "4096",
+                                     "--training.steps", "2", "--metrics.log_freq", "1")
+    assert "FAKE process group: rank 0 of 8" in stdout and "'sp': 8" in stdout
     assert [m["step"] for m in metrics] == [1, 2]
     expected = ulysses_bytes_per_step(get_flavor("debugmodel"), 4096, 1, 8, 1, 4, False)
     assert metrics[-1]["a2a_gib_per_step"] == pytest.approx(expected / 2**30)

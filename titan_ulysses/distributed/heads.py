@@ -24,6 +24,7 @@ fast as at the largest even degree below P while everything else is split P ways
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -93,8 +94,10 @@ class HeadPlan:
         return sum(self.kv_counts)
 
 
+@functools.lru_cache(maxsize=None)
 def head_plan(n_heads: int, n_kv_heads: int, sp: int) -> HeadPlan:
-    """The uneven split of ``n_heads`` q heads (``n_kv_heads`` kv heads) over ``sp`` ranks."""
+    """The uneven split of ``n_heads`` q heads (``n_kv_heads`` kv heads) over ``sp`` ranks (cached: every layer of
+    every step asks for the same one)."""
     if n_heads % n_kv_heads:
         raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
     if sp > n_heads:

@@ -128,6 +128,7 @@ class UlyssesAttention(nn.Module):
         self.sp = sp_mesh.size()
         self.rank = sp_mesh.get_local_rank()
         self.group = sp_mesh.get_group()
+        self._kv_index: torch.Tensor | None = None  # uneven splits: this rank's kv head per q head
         self._can_check = self.sp > 1 and dist.get_backend(self.group) != "fake"  # fake collectives return nothing
 
     def _check_slice(self, q: torch.Tensor) -> None:
@@ -166,8 +167,9 @@ class UlyssesAttention(nn.Module):
         q, k, v = seq_to_head_uneven(q, k, v, plan, self.group, self.rank)  # [B, S, H_r, D]
         index = plan.kv_index(self.rank)
         if index is not None:  # q heads that straddle kv groups unevenly: one kv head per q head
-            at = torch.tensor(index, device=k.device)
-            k, v = k.index_select(2, at), v.index_select(2, at)
+            if self._kv_index is None or self._kv_index.device != k.device:  # built once, not per step
+                self._kv_index = torch.tensor(index, device=k.device)
+            k, v = k.index_select(2, self._kv_index), v.index_select(2, self._kv_index)
         out = self.local_attention(q, k, v, *args, **kwargs)  # [B, S, Hq_r, D]
         return head_to_seq_uneven(out, plan, self.group)  # [B, S/P, Hq, D]
 
