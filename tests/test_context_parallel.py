@@ -6,8 +6,9 @@ with S = 13 (every case pads) and GQA (8 q heads with 2 kv heads; 6 q heads with
 replicated for sp; 16 q heads with 4 kv heads split unevenly over sp 3).
 Layouts: cp4, cp2 with packed documents (the dense-mask path) and full activation
 checkpointing, cp2 x sp2, dp_shard2 x cp2 with full checkpointing, cp2 x tp2, cp2 x sp3, cp2 with
-selective checkpointing, and cp2 with the trainer's per-block torch.compile(fullgraph=True)
-and selective checkpointing. The trainer's runs through torchrun are in
+selective checkpointing, cp2 with the trainer's per-block torch.compile(fullgraph=True)
+and selective checkpointing, and cp2 x sp2 with compile, selective checkpointing and packed
+documents at once. The trainer's runs through torchrun are in
 ``test_context_parallel_trainer.py``.
 """
 
@@ -87,8 +88,12 @@ def _compare(layout: dict, overrides: dict, packed: bool, options: dict):
             assert_close(out.detach()[:, real], ref_logits.detach()[rows][:, mb.index[real]], f"step {step} logits")
         grads = {clean_name(n): full(p.grad) for n, p in model.named_parameters()}
         assert grads.keys() == ref_params.keys()
+        # after an AdamW step the two models' parameters differ by roundoff that Adam scales up
+        # (g / (|g| + eps) for a near-zero g): measured up to 2e-5 of the largest gradient;
+        # a wrong mask, order or reduction is 1e-2 or more
+        tol = 1e-5 if step == 0 else 1e-4
         for name, g in grads.items():
-            assert_close(g, ref_params[name].grad, f"step {step} grad {name}")
+            assert_close(g, ref_params[name].grad, f"step {step} grad {name}", rtol=tol, atol=tol)
         ref_opt.step()
         ref_opt.zero_grad()
         opt.step()
@@ -114,6 +119,9 @@ CASES = {
     # the trainer's per-block torch.compile(fullgraph=True): the all-gather, the load-balanced
     # key order and the causal mask traced; selective AC inside the compiled block
     "cp2-compile-ac-selective": (2, dict(cp=2), {}, False, dict(ac_mode="selective", compile=True)),
+    # all of it at once: compiled blocks with the cp all-gather and both Ulysses all-to-alls,
+    # packed documents (the dense document mask through the load-balanced order), selective AC
+    "cp2-sp2-packed-compile-ac-selective": (4, dict(cp=2, sp=2), {}, True, dict(ac_mode="selective", compile=True)),
 }
 
 
