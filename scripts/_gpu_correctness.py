@@ -138,40 +138,82 @@ def lower_right_case(ctx):
 
 # ---- the memory switches on CUDA -------------------------------------------------------------
 
-def full_offload_equals_full(ctx):
-    from model_harness import small_args
-
+def _one_step(ctx, args, tokens, ac_mode: str, compile_: bool = False):
+    """Loss, gradients and peak memory (MiB) of one forward/backward of a fresh, seeded model."""
     from titan_ulysses.distributed.activation_checkpoint import apply_ac
     from titan_ulysses.distributed.activation_offload import apply_activation_offload
+    from titan_ulysses.distributed.compile import apply_compile
     from titan_ulysses.models.llama.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    model.to(ctx.device)
+    apply_ac(model, ac_mode)  # the order of parallelize_llama
+    if compile_:
+        apply_compile(model)
+    if ac_mode == "full_offload":
+        apply_activation_offload(model)
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    loss = model(tokens, labels=tokens) / tokens.numel()
+    loss.backward()
+    peak = torch.cuda.max_memory_allocated() / 2**20 if ctx.cuda else 0.0
+    grads = {n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): p.grad
+             for n, p in model.named_parameters()}
+    return loss.item(), grads, peak
+
+
+def _step_errors(a, b) -> tuple[float, float]:
+    """(relative loss error, largest relative gradient error) of step ``a`` against ``b``."""
+    (la, ga, _), (lb, gb, _) = a, b
+    assert ga.keys() == gb.keys(), sorted(set(ga) ^ set(gb))
+    return abs(la - lb) / abs(lb), max(rel_err(ga[n], gb[n]) for n in gb)
+
+
+def full_offload_equals_full(ctx):
+    from model_harness import small_args
 
     exact_fp32()
     s = 128 if ctx.dry_run else 8192
     args = small_args(dim=512 if ctx.cuda else 64, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden_dim=1024)
     tokens = torch.randint(0, args.vocab_size, (1, s), generator=torch.Generator().manual_seed(0)).to(ctx.device)
-    results = {}
-    for mode in ("full", "full_offload"):
-        torch.manual_seed(0)
-        model = Transformer(args)
-        model.init_weights()
-        model.to(ctx.device)
-        apply_ac(model, "full")
-        if mode == "full_offload":
-            apply_activation_offload(model)
-        if ctx.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        loss = model(tokens, labels=tokens) / s
-        loss.backward()
-        peak = torch.cuda.max_memory_allocated() / 2**20 if ctx.cuda else 0.0
-        results[mode] = (loss.item(), {n: p.grad for n, p in model.named_parameters()}, peak)
-    (l0, g0, m0), (l1, g1, m1) = results["full"], results["full_offload"]
-    grad_err = max(rel_err(g1[n], g0[n]) for n in g0)
-    loss_err = abs(l1 - l0) / abs(l0)
+    full, offload = _one_step(ctx, args, tokens, "full"), _one_step(ctx, args, tokens, "full_offload")
+    loss_err, grad_err = _step_errors(offload, full)
     ok = loss_err < 1e-6 and grad_err < 1e-5
     return {"status": "pass" if ok else "fail",
-            "figures": {"loss_err": loss_err, "grad_err": grad_err, "peak_mib_full": m0, "peak_mib_offload": m1},
+            "figures": {"loss_err": loss_err, "grad_err": grad_err, "peak_mib_full": full[2],
+                        "peak_mib_offload": offload[2]},
             "detail": f"4-layer fp32 model, S={s}, block inputs to pinned host memory on the side stream; "
                       "tolerance loss 1e-6, grads 1e-5 (rel.)"}
+
+
+def compile_one_step(ctx):
+    """Per-block torch.compile(fullgraph) on CUDA against eager, one step, every memory switch.
+
+    One forward/backward from the same weights, so roundoff is not amplified by an optimizer
+    (what the 8-step trainer runs of ``compile_memory_switches`` cannot tell apart from a bug).
+    """
+    from model_harness import small_args
+
+    exact_fp32()
+    s = 128 if ctx.dry_run else 4096
+    args = small_args(dim=512 if ctx.cuda else 64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden_dim=1024,
+                      loss_chunk_size=s // 4, mlp_tile_size=s // 4)
+    tokens = torch.randint(0, args.vocab_size, (2, s), generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    figures = {}
+    modes = ("selective", "full_offload") if ctx.dry_run else ("none", "selective", "full", "full_offload")
+    for mode in modes:  # (the dry run: two of them, each compile costs CI seconds)
+        torch._dynamo.reset()
+        loss_err, grad_err = _step_errors(_one_step(ctx, args, tokens, mode, compile_=True),
+                                          _one_step(ctx, args, tokens, mode))
+        figures[f"{mode}_loss_err"], figures[f"{mode}_grad_err"] = loss_err, grad_err
+    ok = all(v < 1e-5 for k, v in figures.items() if k.endswith("loss_err")) and \
+        all(v < 1e-4 for k, v in figures.items() if k.endswith("grad_err"))
+    return {"status": "pass" if ok else "fail", "figures": figures,
+            "detail": f"2-layer fp32 model (dim {args.dim}), 2 x {s} tokens, chunked loss and tiled MLP, TF32 off; "
+                      f"compiled blocks vs eager for AC {'/'.join(modes)}, one step from the same "
+                      "weights; tolerance loss 1e-5, grads 1e-4 (rel.)"}
 
 
 # ---- trainer runs (train.py in a subprocess) ------------------------------------------------
@@ -293,12 +335,18 @@ def compile_memory_switches(ctx):
                 return _failed(code, f"{name}: {tail}")
             losses[name] = [r["loss"] for r in rows]
     ref = losses["eager_full_offload"]
-    diffs = {k: max(abs(a - b) / abs(b) for a, b in zip(v, ref)) for k, v in losses.items() if k != "eager_full_offload"}
-    ok = all(x < 1e-3 for x in diffs.values()) and all(len(v) == len(ref) for v in losses.values())
-    first = {f"{k}_step1": abs(v[0] - ref[0]) / abs(ref[0]) for k, v in losses.items() if k != "eager_full_offload"}
-    return {"status": "pass" if ok else "fail", "figures": {**diffs, **first},
-            "detail": f"debug model, fp32, chunked loss + tiled MLP, {steps} steps; compiled (fullgraph per block) "
-                      "losses vs eager, tolerance 1e-3 (rel.)"}
+    others = {k: v for k, v in losses.items() if k != "eager_full_offload"}
+    first = {f"{k}_step1": abs(v[0] - ref[0]) / abs(ref[0]) for k, v in others.items()}
+    drift = {f"{k}_max": max(abs(a - b) / abs(b) for a, b in zip(v, ref)) for k, v in others.items()}
+    # step 1 runs the same weights on the same batch; later steps start from parameters that
+    # AdamW moved by lr * g / (|g| + eps), which turns roundoff in a near-zero gradient into a
+    # visible change, so the drift is reported, not held to a tolerance (compile_one_step checks
+    # every gradient of one step)
+    ok = all(x < 1e-5 for x in first.values()) and all(
+        len(v) == len(ref) and all(math.isfinite(x) for x in v) for v in others.values())
+    return {"status": "pass" if ok else "fail", "figures": {**first, **drift},
+            "detail": f"train.py, debug model, fp32, chunked loss + tiled MLP, {steps} steps; compiled (fullgraph "
+                      "per block) vs eager: step-1 loss within 1e-5 (rel.), later steps' drift reported (_max)"}
 
 
 def trainer_1b(ctx):
@@ -335,6 +383,7 @@ CASES = [
     Case("checkpoint_async_pinned_resume", checkpoint_async_pinned_resume, 60, 30),
     Case("float8_tensorwise", float8_case("tensorwise"), 80, 30),
     Case("float8_rowwise", float8_case("rowwise"), 80, 30),
+    Case("compile_one_step", compile_one_step, 90, 40),
     Case("compile_memory_switches", compile_memory_switches, 120, 60),
     Case("trainer_1b_sp1", trainer_1b, 60, 15),
 ]
