@@ -106,6 +106,35 @@ def attention_case(backend: str, kernel: SDPBackend | None, docs: bool, dtypes: 
     return run
 
 
+def sdpa_priority_case(ctx):
+    """``model.sdpa_backends = "auto"``: which SDPA kernel the module runs (cuDNN on Hopper), and its numbers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from titan_ulysses.ops.attention import sdpa_priority
+
+    b, s, hq, hkv, d = (1, 128, 4, 1, 16) if ctx.dry_run else (1, 16384, 4, 1, 128)  # 8B's heads at sp=8
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, generator=gen).to(ctx.device, dtype).requires_grad_() for h in (hq, hkv, hkv))
+    g = torch.randn(b, s, hq, d, generator=gen).to(ctx.device, dtype)
+    priority = sdpa_priority("auto")
+    module = build_attention("sdpa", priority)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    with profile(activities=activities) as prof:
+        out = module(q, k, v)
+        out.backward(g)
+    ran = sorted({e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")
+                  and "backward" not in e.name})
+    ref = _reference(q, k, v, g, None)  # fp32 math: 4 GiB of scores per matrix at 16K
+    err = max(rel_err(x, r) for x, r in zip((out, q.grad, k.grad, v.grad), ref))
+    want = "cudnn" if priority and priority[0] == "cudnn" else "flash"
+    ok = any(want in name for name in ran) and err < TOL[dtype]
+    return {"status": "pass" if ok else "fail", "figures": {"priority": ",".join(priority) or "pytorch", "err": err},
+            "detail": f"[{b}, {s}, {hq}/{hkv} heads, {d}] {str(dtype).removeprefix('torch.')} causal fwd+bwd "
+                      f"through SDPAAttention with model.sdpa_backends 'auto': ran {ran} (expected {want}); "
+                      f"max rel. error vs fp32 math < {TOL[dtype]:g}"}
+
+
 def lower_right_case(ctx):
     """Context parallelism's per-chunk attention (``SDPAAttention.causal_lower_right``): on CUDA in
     bf16 the aten flash op with no mask, elsewhere a dense mask; both against fp32 math, with GQA."""
@@ -378,6 +407,7 @@ CASES = [
     Case("attn_flex_docmask", attention_case("flex", None, True, bf16_fp32), 60, 10),
     Case("attn_flash_attn_pkg", attention_case("flash_attn", None, False, (torch.bfloat16,)), 10, 1),
     Case("attn_sdpa_lower_right_cp", lower_right_case, 10, 2),
+    Case("attn_sdpa_priority_auto", sdpa_priority_case, 15, 2),
     Case("multiprocess_one_gpu", multiprocess_one_gpu, 90, 30),
     Case("full_offload_equals_full", full_offload_equals_full, 15, 5),
     Case("checkpoint_async_pinned_resume", checkpoint_async_pinned_resume, 60, 30),

@@ -122,14 +122,18 @@ def main(argv=None) -> int:
         return _gpu_perf.trial_main(json.loads(a.trial))
     if not a.part:
         p.error("--part is required")
+    only = set(filter(None, a.only.split(",")))
+    chosen = list(parts()) if a.part == "all" else [a.part]
+    unknown = sorted(only - {c.name for part in chosen for c in parts()[part]})
+    if unknown:  # before any GPU time is spent on a typo
+        p.error(f"--only: no case {', '.join(unknown)} in --part {a.part}; its cases: "
+                + ", ".join(c.name for part in chosen for c in parts()[part]))
     if not a.dry_run and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: the suite measures GPUs; use --dry-run to check it on CPU")
     device = torch.device("cpu") if a.dry_run else torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     os.makedirs(a.out, exist_ok=True)
-    chosen = list(parts()) if a.part == "all" else [a.part]
-    only = set(filter(None, a.only.split(",")))
     failed = False
     for part in chosen:
         cases = [c for c in parts()[part] if not only or c.name in only]

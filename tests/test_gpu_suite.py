@@ -19,8 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # test_checkpoint.py, test_compile.py) and would add three minutes to CI.
 DRY = {
     "correctness": ["attn_sdpa_flash", "attn_sdpa_cudnn", "attn_sdpa_docmask", "attn_flex_docmask",
-                    "attn_flash_attn_pkg", "attn_sdpa_lower_right_cp", "multiprocess_one_gpu", "full_offload_equals_full",
-                    "float8_rowwise", "trainer_1b_sp1"],
+                    "attn_flash_attn_pkg", "attn_sdpa_lower_right_cp", "attn_sdpa_priority_auto", "multiprocess_one_gpu",
+                    "full_offload_equals_full", "compile_one_step", "float8_rowwise", "trainer_1b_sp1"],
     "bench": ["bench_attention", "8b_128k_sim8_compile_bf16_full"],
     "limits": ["estimate_validate_8b_32k", "longest_1b_one_gpu"],
 }
@@ -47,6 +47,21 @@ def test_dry_run_runs_every_case_function(tmp_path):
         table = (tmp_path / f"{part}.md").read_text()
         assert all(f"| {name} |" in table for name in names) and "CPU" in report["device"]
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_the_next_sessions_commands_name_cases_that_exist():
+    """docs/benchmarks.md lists the calls of the next GPU session; a misspelt --only name is refused
+    at once (exit 2, the part's cases listed), not found out after the machine has started."""
+    import re
+
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        calls = re.findall(r"gpu_suite\.py --part (\w+) [^`]*?--only ([\w,]+)", f.read())
+    assert len(calls) >= 2
+    for part, names in calls:
+        proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--part", part, "--dry-run", "--only",
+                               names + ",no_such_case", "--out", "/nonexistent"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "no case no_such_case in --part " + part in proc.stderr, proc.stderr[-800:]
 
 
 def test_suite_refuses_to_measure_without_a_gpu():

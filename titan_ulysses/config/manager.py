@@ -23,6 +23,7 @@ from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import check_heads
 from titan_ulysses.models.hf_config import load_hf_args
 from titan_ulysses.models.llama.args import get_flavor
+from titan_ulysses.ops.attention import parse_sdpa_backends
 
 
 class ConfigError(ValueError):
@@ -163,6 +164,10 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         check_seq_len(t.seq_len, dims.sp, dims.cp)
     except ValueError as e:
         raise ConfigError(f"training.seq_len: {e}") from e
+    try:
+        parse_sdpa_backends(config.model.sdpa_backends)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if dims.cp > 1 and config.model.attn_backend != "sdpa":
         raise ConfigError(
             f"parallelism.context_parallel_degree {dims.cp} is implemented for model.attn_backend 'sdpa' only, "

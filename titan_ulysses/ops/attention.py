@@ -8,7 +8,7 @@ masking for packed sequences. ``None`` means plain causal attention. ``scale`` i
 softmax scale (``None``: ``1/sqrt(D)``).
 
 * ``sdpa``: ``F.scaled_dot_product_attention``; on CUDA it dispatches to FlashAttention
-  or cuDNN kernels. Document masking materialises a dense [B, 1, S, S] mask, so use it
+  or cuDNN kernels, in the order :func:`sdpa_priority` gives (``model.sdpa_backends``). Document masking materialises a dense [B, 1, S, S] mask, so use it
   only at short lengths; ``flex`` is the long-context path for packed documents.
   Its ``causal_lower_right(q, k, v)`` (queries shorter than the keys, the causal diagonal
   bottom-right) is what context parallelism calls per chunk; a backend that cp should run
@@ -20,11 +20,49 @@ softmax scale (``None``: ``1/sqrt(D)``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BACKENDS = ("sdpa", "flex", "flash_attn")
+
+# SDPA's kernels by the names ``model.sdpa_backends`` takes, in PyTorch's own priority order
+SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def parse_sdpa_backends(setting: str) -> tuple[str, ...]:
+    """``"auto"`` -> ``()``; ``"cudnn,flash"`` -> ``("cudnn", "flash")``; anything else raises
+    a ValueError that names the setting."""
+    if setting == "auto":
+        return ()
+    names = tuple(n.strip() for n in setting.split(","))
+    wrong = [n for n in names if n not in SDPA_KERNELS]
+    if wrong or len(set(names)) != len(names):
+        what = f"{wrong[0]!r} is not a kernel" if wrong else "a kernel is named twice"
+        raise ValueError(f"model.sdpa_backends {setting!r}: {what}; use 'auto' or a comma-separated priority "
+                         f"order of {', '.join(SDPA_KERNELS)} (e.g. 'cudnn,flash')")
+    return names
+
+
+def sdpa_priority(setting: str) -> tuple[str, ...]:
+    """The order in which SDPA tries its kernels for ``model.sdpa_backends`` on this machine.
+
+    ``()`` keeps PyTorch's (flash, efficient, math, cudnn). ``"auto"`` puts cuDNN first on
+    Hopper (compute capability 9.x), where its causal fwd+bwd ran at 1.8x FlashAttention's rate
+    on an H200 at 32K-128K tokens (``docs/benchmarks.md``; others measured it slower on Ampere
+    and Blackwell), and keeps PyTorch's order elsewhere. A list is a preference, not a
+    restriction: the kernels it leaves out follow in PyTorch's order, so that a shape the
+    named kernels cannot take still runs.
+    """
+    names = parse_sdpa_backends(setting)
+    if setting == "auto":
+        hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+        names = ("cudnn",) if hopper else ()
+    return (*names, *(n for n in SDPA_KERNELS if n not in names)) if names else ()
 
 
 def _cuda_needs_kv_expanded(q, k, dense_mask: bool) -> bool:
@@ -51,18 +89,26 @@ def _flash_lower_right(q) -> bool:
 
 
 class SDPAAttention(nn.Module):
+    def __init__(self, priority: tuple[str, ...] = ()):
+        super().__init__()
+        self.priority = [SDPA_KERNELS[n] for n in priority]  # empty: PyTorch's order
+
+    def _kernels(self):
+        return sdpa_kernel(self.priority, set_priority=True) if self.priority else contextlib.nullcontext()
+
     def forward(self, q, k, v, attention_mask=None, scale=None):
         gqa = q.shape[2] != k.shape[2]
         if _cuda_needs_kv_expanded(q, k, attention_mask is not None):
             k, v = _expand_kv(q, k, v)
             gqa = False
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask, scale=scale, enable_gqa=gqa
-            )
+        with self._kernels():
+            if attention_mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attention_mask, scale=scale, enable_gqa=gqa
+                )
         return out.transpose(1, 2)  # [B, S, H, D]
 
     def causal_lower_right(self, q, k, v, scale=None):
@@ -158,9 +204,9 @@ class FlashAttnAttention(nn.Module):
         return out.reshape(b, s, *out.shape[1:])
 
 
-def build_attention(backend: str) -> nn.Module:
+def build_attention(backend: str, sdpa_priority: tuple[str, ...] = ()) -> nn.Module:
     if backend == "sdpa":
-        return SDPAAttention()
+        return SDPAAttention(sdpa_priority)
     if backend == "flex":
         return FlexAttention()
     if backend == "flash_attn":

@@ -1,0 +1,62 @@
+"""``model.sdpa_backends``: the order SDPA tries its kernels in, from the config to the kernel call."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_harness import small_args
+from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.ops.attention import SDPA_KERNELS, sdpa_priority
+from titan_ulysses.trainer import model_args
+
+PYTORCH_ORDER = torch._C._get_sdp_priority_order()
+
+
+def test_a_list_is_a_preference_and_auto_puts_cudnn_first_on_hopper_only(monkeypatch):
+    assert sdpa_priority("cudnn") == ("cudnn", "flash", "efficient", "math")
+    assert sdpa_priority("flash,math") == ("flash", "math", "efficient", "cudnn")
+    assert sdpa_priority("auto") == ()  # this machine has no GPU: PyTorch's order
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, want in (((9, 0), ("cudnn", "flash", "efficient", "math")), ((8, 0), ()), ((10, 0), ())):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+        assert sdpa_priority("auto") == want, capability
+    # the names map to SDPA's kernels, listed in PyTorch's own order
+    assert [int(SDPA_KERNELS[n]) for n in sdpa_priority("flash")] == list(PYTORCH_ORDER)[:4]
+
+
+@pytest.mark.parametrize("value,needle", [("fast", "'fast' is not a kernel"), ("cudnn,cudnn", "named twice"),
+                                          ("", "'' is not a kernel")])
+def test_a_wrong_value_is_refused_naming_the_setting(value, needle):
+    config = load_config(["--model.sdpa_backends", value])
+    with pytest.raises(ConfigError, match="model.sdpa_backends") as e:
+        validate(config, 1)
+    assert needle in str(e.value) and "cudnn,flash" in str(e.value)
+
+
+def test_the_order_is_in_force_at_every_kernel_call_and_restored_after(monkeypatch):
+    config = load_config(["--model.sdpa_backends", "cudnn,flash"])
+    args = model_args(config, 256)
+    assert args.sdpa_priority == ("cudnn", "flash", "efficient", "math")
+    seen, original = [], F.scaled_dot_product_attention
+
+    def recording(*a, **k):
+        seen.append(list(torch._C._get_sdp_priority_order()))
+        return original(*a, **k)
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 16))
+    outs = []
+    for priority in (args.sdpa_priority, ()):
+        torch.manual_seed(0)
+        model = Transformer(small_args(sdpa_priority=priority))
+        model.init_weights()
+        monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+        outs.append(model(tokens))
+        monkeypatch.setattr(F, "scaled_dot_product_attention", original)
+    wanted = [int(SDPA_KERNELS[n]) for n in args.sdpa_priority]
+    assert [order[:4] for order in seen[:2]] == [wanted, wanted]  # both layers, in the configured order
+    # (then PyTorch's OVERRIDEABLE slot, which no CUDA or CPU kernel uses)
+    assert seen[2:] == [list(PYTORCH_ORDER)] * 2  # () leaves PyTorch's order alone
+    assert list(torch._C._get_sdp_priority_order()) == list(PYTORCH_ORDER)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)  # on CPU the same kernel runs
