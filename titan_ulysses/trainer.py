@@ -41,7 +41,7 @@ from titan_ulysses.models.hf_config import describe, load_hf_args
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling, get_flavor
 from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
-from titan_ulysses.ops.attention import build_attention_mask, sdpa_priority
+from titan_ulysses.ops.attention import build_attention_mask
 from titan_ulysses.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
 from titan_ulysses.validate import build_validator
 
@@ -62,7 +62,7 @@ def model_args(config: JobConfig, vocab_size: int) -> LlamaArgs:
     if vocab_size > args.vocab_size:
         raise ValueError(f"the tokenizer has {vocab_size} ids but {source} has vocab_size {args.vocab_size}")
     overrides = {"loss_chunk_size": m.loss_chunk_size, "mlp_tile_size": m.mlp_tile_size,
-                 "sdpa_priority": sdpa_priority(m.sdpa_backends)}
+                 "sdpa_backends": m.sdpa_backends}
     if m.rope_theta > 0:
         overrides["rope_theta"] = m.rope_theta
     if m.rope_scaling_factor > 0:

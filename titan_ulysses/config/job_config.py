@@ -27,10 +27,11 @@ class Model:
     attn_backend: str = "sdpa"
     """Local attention inside Ulysses: sdpa, flex (document masking) or flash_attn (CUDA)."""
     sdpa_backends: str = "auto"
-    """With attn_backend sdpa, the order its kernels are tried in: "auto" (cuDNN first on Hopper
-    GPUs, where it measured 1.8x FlashAttention's speed; PyTorch's order elsewhere) or a
-    comma-separated priority order of flash, cudnn, efficient, math (e.g. "flash" restores
-    PyTorch's order on Hopper); kernels left out follow in PyTorch's order."""
+    """With attn_backend sdpa, the order its kernels are tried in: "auto" (causal attention: cuDNN
+    first on Hopper GPUs, where it measured 1.8x FlashAttention's speed, PyTorch's order elsewhere;
+    with a document mask: the memory-efficient kernel first) or a comma-separated priority order
+    of flash, cudnn, efficient, math for both (e.g. "flash" restores PyTorch's order on Hopper);
+    kernels left out follow in PyTorch's order."""
     tokenizer: str = "byte"
     """"byte" (no file, 256 bytes + specials), "tiktoken" (Llama-3 tokenizer.model) or "hf"
     (tokenizer.json through the tokenizers library; BOS/EOS/PAD from tokenizer_config.json / config.json)."""

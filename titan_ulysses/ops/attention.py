@@ -8,7 +8,8 @@ masking for packed sequences. ``None`` means plain causal attention. ``scale`` i
 softmax scale (``None``: ``1/sqrt(D)``).
 
 * ``sdpa``: ``F.scaled_dot_product_attention``; on CUDA it dispatches to FlashAttention
-  or cuDNN kernels, in the order :func:`sdpa_priority` gives (``model.sdpa_backends``). Document masking materialises a dense [B, 1, S, S] mask, so use it
+  or cuDNN kernels, in the order :func:`sdpa_priority` gives (``model.sdpa_backends``).
+  Document masking materialises a dense [B, 1, S, S] mask, so use it
   only at short lengths; ``flex`` is the long-context path for packed documents.
   Its ``causal_lower_right(q, k, v)`` (queries shorter than the keys, the causal diagonal
   bottom-right) is what context parallelism calls per chunk; a backend that cp should run
@@ -48,20 +49,26 @@ def parse_sdpa_backends(setting: str) -> tuple[str, ...]:
     return names
 
 
-def sdpa_priority(setting: str) -> tuple[str, ...]:
-    """The order in which SDPA tries its kernels for ``model.sdpa_backends`` on this machine.
+def sdpa_priority(setting: str, masked: bool = False) -> tuple[str, ...]:
+    """The order in which SDPA tries its kernels for ``model.sdpa_backends`` on this machine, for
+    plain causal calls or, with ``masked``, calls with a dense (document) mask.
 
-    ``()`` keeps PyTorch's (flash, efficient, math, cudnn). ``"auto"`` puts cuDNN first on
-    Hopper (compute capability 9.x), where its causal fwd+bwd ran at 1.8x FlashAttention's rate
-    on an H200 at 32K-128K tokens (``docs/benchmarks.md``; others measured it slower on Ampere
-    and Blackwell), and keeps PyTorch's order elsewhere. A list is a preference, not a
-    restriction: the kernels it leaves out follow in PyTorch's order, so that a shape the
-    named kernels cannot take still runs.
+    ``()`` keeps PyTorch's (flash, efficient, math, cudnn on CPU builds). ``"auto"`` on CUDA:
+
+    * causal: cuDNN first on Hopper (compute capability 9.x), where its causal fwd+bwd ran at
+      1.8x FlashAttention's rate on an H200 at 32K-128K tokens (``docs/benchmarks.md``; others
+      measured it slower on Ampere and Blackwell); PyTorch's order elsewhere.
+    * masked: the memory-efficient kernel first (FlashAttention takes no mask), not cuDNN,
+      whose backward with an explicit mask returns NaN in dq for some lengths from torch 2.11
+      on (pytorch/pytorch#196678); with is_causal and no mask it is clean.
+
+    A list applies to both and is a preference, not a restriction: the kernels it leaves out
+    follow in PyTorch's order, so that a shape the named kernels cannot take still runs.
     """
     names = parse_sdpa_backends(setting)
-    if setting == "auto":
-        hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-        names = ("cudnn",) if hopper else ()
+    if setting == "auto" and torch.cuda.is_available():
+        hopper = torch.cuda.get_device_capability()[0] == 9
+        names = ("efficient",) if masked else (("cudnn",) if hopper else ())
     return (*names, *(n for n in SDPA_KERNELS if n not in names)) if names else ()
 
 
@@ -89,12 +96,14 @@ def _flash_lower_right(q) -> bool:
 
 
 class SDPAAttention(nn.Module):
-    def __init__(self, priority: tuple[str, ...] = ()):
+    def __init__(self, sdpa_backends: str = "auto"):
         super().__init__()
-        self.priority = [SDPA_KERNELS[n] for n in priority]  # empty: PyTorch's order
+        # kernel orders for calls without and with a mask, resolved for this machine; empty: PyTorch's
+        self.orders = {m: [SDPA_KERNELS[n] for n in sdpa_priority(sdpa_backends, m)] for m in (False, True)}
 
-    def _kernels(self):
-        return sdpa_kernel(self.priority, set_priority=True) if self.priority else contextlib.nullcontext()
+    def _kernels(self, masked: bool):
+        order = self.orders[masked]
+        return sdpa_kernel(order, set_priority=True) if order else contextlib.nullcontext()
 
     def forward(self, q, k, v, attention_mask=None, scale=None):
         gqa = q.shape[2] != k.shape[2]
@@ -102,7 +111,7 @@ class SDPAAttention(nn.Module):
             k, v = _expand_kv(q, k, v)
             gqa = False
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        with self._kernels():
+        with self._kernels(attention_mask is not None):
             if attention_mask is None:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
@@ -204,9 +213,9 @@ class FlashAttnAttention(nn.Module):
         return out.reshape(b, s, *out.shape[1:])
 
 
-def build_attention(backend: str, sdpa_priority: tuple[str, ...] = ()) -> nn.Module:
+def build_attention(backend: str, sdpa_backends: str = "auto") -> nn.Module:
     if backend == "sdpa":
-        return SDPAAttention(sdpa_priority)
+        return SDPAAttention(sdpa_backends)
     if backend == "flex":
         return FlexAttention()
     if backend == "flash_attn":

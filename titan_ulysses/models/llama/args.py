@@ -43,9 +43,9 @@ class LlamaArgs:
     """Hugging Face family the args map to on export: "llama", "qwen2" or "qwen3"."""
     attn_backend: str = "sdpa"
     """Local attention: "sdpa", "flex" or "flash_attn" (see ops/attention.py)."""
-    sdpa_priority: tuple[str, ...] = ()
-    """With "sdpa": the order its kernels are tried in, e.g. ("cudnn", "flash", "efficient", "math");
-    () keeps PyTorch's (ops.attention.sdpa_priority resolves model.sdpa_backends to it)."""
+    sdpa_backends: str = "auto"
+    """With "sdpa": the order its kernels are tried in, as model.sdpa_backends (resolved for the
+    machine the model is built on: ops.attention.sdpa_priority)."""
     mlp_tile_size: int = 0
     """Tokens per tile of the tiled MLP (0: untiled). Bounds MLP intermediates to one tile."""
     loss_chunk_size: int = 0

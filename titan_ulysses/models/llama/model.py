@@ -77,7 +77,7 @@ class Attention(nn.Module):
         # Qwen3: one RMSNorm over head_dim shared by all q heads (and one by all k heads)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.inner_attention = build_attention(args.attn_backend, args.sdpa_priority)
+        self.inner_attention = build_attention(args.attn_backend, args.sdpa_backends)
 
     def forward(self, x, rope, attention_mask):
         b, s, _ = x.shape
