@@ -41,7 +41,7 @@ from titan_ulysses.models.hf_config import describe, load_hf_args
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling, get_flavor
 from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
-from titan_ulysses.ops.attention import build_attention_mask
+from titan_ulysses.ops.attention import build_attention_mask, sdpa_priority
 from titan_ulysses.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
 from titan_ulysses.validate import build_validator
 
@@ -224,10 +224,15 @@ class Trainer:
             if config.model.hf_assets_path:
                 source = f"{describe(self.args)} (from {config.model.hf_assets_path}/config.json" + (
                     "; weights from its safetensors)" if hf_start else ")")
+            attention = self.args.attn_backend
+            if attention == "sdpa":  # which kernel runs first (model.sdpa_backends)
+                order = sdpa_priority(self.args.sdpa_backends)
+                attention += f" ({' > '.join(order)})" if order else " (PyTorch's kernel order)"
             print(
                 f"titan-ulysses: {self.args.num_params() / 1e6:.1f}M params, {source}, "
                 f"layout {pd.degrees}, global batch {self.global_batch_size} x {t.seq_len} tokens "
-                f"({self.accumulation_steps} microbatch(es)), device {self.device.type}, starting at step {self.step}"
+                f"({self.accumulation_steps} microbatch(es)), device {self.device.type}, attention {attention}, "
+                f"starting at step {self.step}"
                 + resumed
                 + (f"\nFAKE process group: rank 0 of {dist.get_world_size()}; memory and compute are real, "
                    f"losses are not" if self.fake else "")
