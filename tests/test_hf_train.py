@@ -86,9 +86,13 @@ def test_continue_training_export_round_trip(trained, tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "starting at step 2" in proc.stdout and "weights from its safetensors" not in proc.stdout
+    assert "attention sdpa (PyTorch's kernel order)" in proc.stdout  # "auto" on a machine without a GPU
 
     step = run / "checkpoint" / "step-2"
     assert (step / "model_args.json").exists() and (step / "hf_assets" / "tokenizer.json").exists()
+    # the record says what the model is, not how this run computed it
+    recorded = json.loads((step / "model_args.json").read_text())["args"]
+    assert not {"attn_backend", "sdpa_backends", "mlp_tile_size", "loss_chunk_size"} & set(recorded), sorted(recorded)
     out = tmp_path / "export"
     proc = subprocess.run([sys.executable, "scripts/export_hf.py", "--checkpoint", str(step), "--output", str(out),
                            "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True, timeout=120)
