@@ -290,8 +290,10 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     rs_block = 4 * block
     # the root's reduce-scatter (FSDP's foreach_reduce): its gradients copied into the fp32 input,
     # then the input beside the output (a world of one: beside a full-size output and the quotient
-    # by the divide factor, which FSDP computes out of place)
-    root_grads = max((a + 4) * other, 4 * other * (1 + 1 / n + (1 if n == 1 else 0)))
+    # by the divide factor, which FSDP computes out of place) and beside the last root gradient,
+    # which FSDP still holds then (the output weight's, [vocab, D]): 1 GiB for Llama-3-8B in bf16,
+    # which the tracker found missing at 1, 2 and 3 ranks
+    root_grads = max((a + 4) * other, 4 * other * (1 + 1 / n + (1 if n == 1 else 0)) + a * args.vocab_size * d)
     # the embeddings' backward, before it: the root still unsharded, the output weight's gradient,
     # the embeddings' own (tied: and their sum), the gradient of the embeddings' output and
     # block 0's reduce-scatter input
