@@ -178,6 +178,8 @@ def lower_right_case(ctx):
 
 def _one_step(ctx, args, tokens, ac_mode: str, compile_: bool = False):
     """Loss, gradients and peak memory (MiB) of one forward/backward of a fresh, seeded model."""
+    from model_harness import clean_name
+
     from titan_ulysses.distributed.activation_checkpoint import apply_ac
     from titan_ulysses.distributed.activation_offload import apply_activation_offload
     from titan_ulysses.distributed.compile import apply_compile
@@ -197,8 +199,7 @@ def _one_step(ctx, args, tokens, ac_mode: str, compile_: bool = False):
     loss = model(tokens, labels=tokens) / tokens.numel()
     loss.backward()
     peak = torch.cuda.max_memory_allocated() / 2**20 if ctx.cuda else 0.0
-    grads = {n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): p.grad
-             for n, p in model.named_parameters()}
+    grads = {clean_name(n): p.grad for n, p in model.named_parameters()}
     return loss.item(), grads, peak
 
 

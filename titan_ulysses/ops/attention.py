@@ -30,9 +30,21 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BACKENDS = ("sdpa", "flex", "flash_attn")
 
-# SDPA's kernels by the names ``model.sdpa_backends`` takes, in PyTorch's own priority order
+# SDPA's kernels by the names ``model.sdpa_backends`` takes
 SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def _pytorch_order() -> tuple[str, ...]:
+    """The names above in the order this build of PyTorch tries them by default (a CPU build:
+    flash, efficient, math, cudnn)."""
+    try:
+        default = [SDPBackend(i) for i in torch._C._get_sdp_priority_order()]
+    except (AttributeError, TypeError, ValueError):  # a private call: keep the documented order if it goes
+        return tuple(SDPA_KERNELS)
+    by_kernel = {kernel: name for name, kernel in SDPA_KERNELS.items()}
+    named = [by_kernel[k] for k in default if k in by_kernel]
+    return (*named, *(n for n in SDPA_KERNELS if n not in named))
 
 
 def parse_sdpa_backends(setting: str) -> tuple[str, ...]:
@@ -53,7 +65,7 @@ def sdpa_priority(setting: str, masked: bool = False) -> tuple[str, ...]:
     """The order in which SDPA tries its kernels for ``model.sdpa_backends`` on this machine, for
     plain causal calls or, with ``masked``, calls with a dense (document) mask.
 
-    ``()`` keeps PyTorch's (flash, efficient, math, cudnn on CPU builds). ``"auto"`` on CUDA:
+    ``()`` keeps PyTorch's (:func:`_pytorch_order`). ``"auto"`` on CUDA:
 
     * causal: cuDNN first on Hopper (compute capability 9.x), where its causal fwd+bwd ran at
       1.8x FlashAttention's rate on an H200 at 32K-128K tokens (``docs/benchmarks.md``; others
@@ -69,7 +81,7 @@ def sdpa_priority(setting: str, masked: bool = False) -> tuple[str, ...]:
     if setting == "auto" and torch.cuda.is_available():
         hopper = torch.cuda.get_device_capability()[0] == 9
         names = ("efficient",) if masked else (("cudnn",) if hopper else ())
-    return (*names, *(n for n in SDPA_KERNELS if n not in names)) if names else ()
+    return (*names, *(n for n in _pytorch_order() if n not in names)) if names else ()
 
 
 def _cuda_needs_kv_expanded(q, k, dense_mask: bool) -> bool:
