@@ -37,6 +37,9 @@ from titan_ulysses.distributed.watchdog import exit_with_launcher, set_timeouts
 from titan_ulysses.metrics.comm import context_parallel_bytes_per_step, ulysses_bytes_per_step
 from titan_ulysses.metrics.flops import flops_per_token, peak_flops
 from titan_ulysses.metrics.logger import MetricsLogger, max_memory_gib
+from titan_ulysses.metrics.loggers.wandb_logger import WandbError
+from titan_ulysses.metrics.progress import RunProgress
+from titan_ulysses.metrics.system import WaitTimer, system_metrics
 from titan_ulysses.models.hf_config import describe, load_hf_args
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling, get_flavor
 from titan_ulysses.models.llama.model import Transformer
@@ -204,7 +207,8 @@ class Trainer:
             apply_hyperparameters(self.optimizer, self.lr_scheduler, o.lr, o.weight_decay, o.eps, (o.beta1, o.beta2))
             resumed = f"; resumed: {settings_changes(self.checkpointer.loaded_settings, resume_settings(config))}"
         self.nonfinite_in_a_row = 0
-        self.metrics = MetricsLogger(config.job.dump_folder, self.rank, config.metrics.enable_tensorboard)
+        self.metrics = self._build_metrics_logger()
+        self.data_wait = WaitTimer()
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
         self.peak_flops = peak_flops(self.device)
         # packed rows hold several documents: every backend masks per document (sdpa densely)
@@ -257,6 +261,20 @@ class Trainer:
             raise FolderInUseError(box[0])
         return lock
 
+    def _build_metrics_logger(self) -> MetricsLogger:
+        """Rank 0's loggers; a W&B start-up failure (no login) reaches every rank as a config error."""
+        logger, error = None, None
+        try:
+            logger = MetricsLogger(self.config.job.dump_folder, self.rank, self.config.metrics,
+                                   dataclasses.asdict(self.config), resumed=self.step > 0)
+        except WandbError as e:
+            error = str(e)
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise ConfigError(box[0])
+        return logger
+
     def _on_preempt(self, signum, frame) -> None:
         self._preempted = True
 
@@ -264,7 +282,7 @@ class Trainer:
         """This rank's microbatches of one step; ``stats`` += [padding tokens, tokens, truncated samples]."""
         sp_mesh, cp_mesh = self.parallel_dims.get_mesh("sp"), self.parallel_dims.get_mesh("cp")
         for _ in range(self.accumulation_steps):
-            batch = next(data_iter)
+            batch = self.data_wait.next(data_iter)
             stats += torch.tensor([float((batch["document_ids"] == -1).sum()), float(batch["input"].numel()),
                                    float(batch["truncated"].sum()) if "truncated" in batch else 0.0])
             yield shard_loader_batch(batch, sp_mesh.get_local_rank(), sp_mesh.size(), self.device,
@@ -338,11 +356,13 @@ class Trainer:
         world = dist.get_world_size()
         timer, steps_timed = time.perf_counter(), 0
         first_step = True
+        progress = RunProgress(self.step, t.steps, tokens_per_step)
         try:
             while self.step < t.steps:
                 lr = self.lr_scheduler.get_last_lr()[0]
                 out = self.train_step(data_iter)
                 self.step += 1
+                progress.last_loss = out["loss"]
                 steps_timed += 1
                 if first_step and not self.fake:  # start-up and compilation are over
                     set_timeouts(self.config.comm.train_timeout_seconds, exclude=(self.checkpointer.group,))
@@ -357,11 +377,16 @@ class Trainer:
                         "a2a_gib_per_step": self.a2a_bytes / 2**30,
                         "a2a_model_sec": self.a2a_bytes / (self.config.comm.link_bandwidth_gbps * 1e9),
                         **({"cp_gib_per_step": self.cp_bytes / 2**30} if self.cp_bytes else {}),
+                        "data_wait_sec": self.data_wait.take() / steps_timed,  # rank 0's, per step
+                        **system_metrics(self.device, self.model, self.optimizer),
+                        **progress.timing(self.step),
                     })
                     timer, steps_timed = time.perf_counter(), 0
                 if self.validator is not None and self.validator.due(self.step):
                     started = time.perf_counter()
-                    self.metrics.log_validation(self.step, self.validator.run())
+                    result = self.validator.run()
+                    self.metrics.log_validation(self.step, result)
+                    progress.validation = (self.step, result["validation_loss"])
                     timer += time.perf_counter() - started  # evaluation time is not training throughput
                 preempted = self._preempted_anywhere()
                 self.checkpointer.save(self.step, force=preempted or self.step == t.steps)
@@ -369,6 +394,7 @@ class Trainer:
                     if self.rank == 0:
                         print(f"preempted: saved step {self.step}, exiting", flush=True)
                     break
+            self._summary(progress)
         except RuntimeError as e:
             if "timed out" not in str(e).lower():
                 raise
@@ -381,6 +407,14 @@ class Trainer:
             self.metrics.close()
             if self.lock is not None:
                 self.lock.release()
+
+    def _summary(self, progress: RunProgress) -> None:
+        if self.rank != 0:
+            return
+        # the last step is always saved (an async save completes at close)
+        checkpoint = os.path.join(self.checkpointer.folder, f"step-{self.step}") if self.checkpointer.enable else None
+        self.metrics.log_summary(progress.summary(
+            self.step, checkpoint, os.path.join(self.config.job.dump_folder, "metrics.jsonl")))
 
     def _preempted_anywhere(self) -> bool:
         """A signal may reach only some ranks: agree on it so that all of them save together."""

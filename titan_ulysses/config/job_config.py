@@ -201,6 +201,18 @@ class Metrics:
     """Log every this many steps (and the first and last)."""
     enable_tensorboard: bool = False
     """Also write tensorboard events under dump_folder/tb."""
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (rank 0; `pip install wandb`). WANDB_MODE=offline needs no
+    network (upload later with `wandb sync`); the run files go under dump_folder/wandb, and a
+    resume from this folder's checkpoint continues the same W&B run."""
+    wandb_project: str = "titan-ulysses"
+    """W&B project of the run (no / \\ # ? % : characters, at most 128 long)."""
+    wandb_entity: str = ""
+    """W&B team or user the project belongs to; "" = your default entity."""
+    wandb_run_name: str = ""
+    """Display name of the W&B run; "" = the dump folder's name."""
+    wandb_tags: str = ""
+    """Comma-separated W&B tags, e.g. "long-context,sp8" (each at most 64 characters)."""
 
 
 @dataclass

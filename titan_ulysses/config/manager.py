@@ -15,6 +15,7 @@ except ImportError:  # Python < 3.11
 from titan_ulysses.checkpoint.hf import check_hf_weights
 from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
 from titan_ulysses.config.job_config import CHOICES, JobConfig
+from titan_ulysses.config.metrics_settings import check_metrics
 from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.config.ranges import check_ranges
 from titan_ulysses.data.sharding import check_seq_len
@@ -134,7 +135,7 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     against ``comm.fake_world_size``.
     """
     p, t = config.parallelism, config.training
-    refusal = check_ranges(config)
+    refusal = check_ranges(config) or check_metrics(config.metrics)
     if refusal:
         raise ConfigError(refusal)
     if config.comm.mode == "fake":
