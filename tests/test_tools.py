@@ -1,0 +1,77 @@
+"""The user-facing tools of issue 24 run on CPU and show what the run wrote: plot_metrics.py's
+PNG holds exactly metrics.jsonl's numbers; estimate_memory.py --track shows a progress bar."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import plot_metrics  # noqa: E402
+
+
+def _write_run(folder, rows):
+    folder.mkdir()
+    with open(folder / "metrics.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def _step(step, loss, scale=1.0):
+    return {"step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-4 * step * scale,
+            "tokens_per_sec_per_device": 1000.0 + 10 * step * scale, "max_memory_gib": 0.5 + 0.01 * step * scale}
+
+
+def test_plot_metrics_png_holds_the_runs_numbers(tmp_path):
+    # run A was resumed from step 2 after logging step 3: the resumed step 3 is the one plotted
+    a = [_step(1, 5.0), _step(2, 4.0), _step(3, 9.9), {"step": 2, "validation_loss": 4.5, "validation_tokens": 64},
+         _step(3, 3.0), _step(4, 2.5), {"step": 4, "validation_loss": 2.75, "validation_tokens": 64}]
+    b = [_step(s, 6.0 - s, scale=2.0) for s in (1, 2, 3, 4, 5)]
+    _write_run(tmp_path / "A", a)
+    _write_run(tmp_path / "B", b)
+    out = tmp_path / "both.png"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_metrics.py"), str(tmp_path / "A"),
+                           str(tmp_path / "B"), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"wrote {out} (2 run(s))\n"
+    import matplotlib.image
+
+    image = matplotlib.image.imread(str(out))
+    assert image.shape[:2] == (700, 1100) and image.std() > 0.01  # opens, and is not blank
+
+    fig = plot_metrics.plot([str(tmp_path / "A"), str(tmp_path / "B")])
+    lines = {line.get_gid(): (list(line.get_xdata()), list(line.get_ydata())) for ax in fig.axes for line in ax.lines}
+    expected = {"A": {1: a[0], 2: a[1], 3: a[4], 4: a[5]}, "B": {r["step"]: r for r in b}}
+    for run, rows in expected.items():
+        for key in ("loss", "lr", "tokens_per_sec_per_device", "max_memory_gib"):
+            assert lines[f"{run}:{key}"] == (sorted(rows), [rows[s][key] for s in sorted(rows)]), (run, key)
+    assert lines["A:validation_loss"] == ([2, 4], [4.5, 2.75]) and "B:validation_loss" not in lines
+
+
+def test_plot_metrics_refuses_a_folder_without_metrics(tmp_path):
+    with pytest.raises(SystemExit, match=r"^plot_metrics: .*/nothing/metrics.jsonl does not exist \(give the run's "
+                                         r"job.dump_folder\)$"):
+        plot_metrics.main([str(tmp_path / "nothing")])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\nnot json\n')
+    with pytest.raises(SystemExit, match=r"metrics.jsonl:2 is not JSON"):
+        plot_metrics.main([str(tmp_path / "bad")])
+
+
+def test_estimate_memory_track_shows_a_progress_bar():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "estimate_memory.py"), "--config",
+                           "train_configs/debug_model.toml", "--world-size", "2", "--track", "--json",
+                           "--training.seq_len", "128", "--training.local_batch_size", "1"],
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["tracked"]["measured"] > 0
+    frames = proc.stderr.replace("\r", "\n").splitlines()
+    done = [f for f in frames if f.startswith("--track: block forwards: 100%")]
+    from titan_ulysses.models.llama.args import get_flavor
+
+    passes = 2 * get_flavor("debugmodel").n_layers  # two steps of one microbatch, no recomputation
+    assert done and f"{passes}/{passes}" in done[-1], frames[-3:]
