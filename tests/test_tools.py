@@ -75,3 +75,42 @@ def test_estimate_memory_track_shows_a_progress_bar():
 
     passes = 2 * get_flavor("debugmodel").n_layers  # two steps of one microbatch, no recomputation
     assert done and f"{passes}/{passes}" in done[-1], frames[-3:]
+
+
+import show_sample  # noqa: E402
+
+SFT = ["--config", "train_configs/debug_model.toml", "--training.dataset", "sft", "--training.dataset_path",
+       "docs/examples/sft_train.jsonl", "--training.seq_len", "256", "--training.shuffle", "false"]
+
+
+def _marked(text):
+    body = text[text.index("---- document"):]  # after the legend line
+    return [part.split(show_sample.CLOSE)[0] for part in body.split(show_sample.OPEN)[1:]]
+
+
+def test_show_sample_marks_exactly_the_loss_tokens(tmp_path, capsys):
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "docs", "examples", "sft_train.jsonl"))]
+    cache = ["--training.dataset_cache_dir", str(tmp_path / "cache")]
+    show_sample.main([*SFT, *cache, "--training.packing", "false", "--index", "0"])
+    out = capsys.readouterr().out
+    assert "\nsample 0 of " in "\n" + out and "1 document(s)" in out
+    assert f"<bos>{rows[0]['prompt']}{show_sample.OPEN}{rows[0]['completion']}<eos>{show_sample.CLOSE}" in out
+    show_sample.main([*SFT, *cache, "--training.packing", "false", "--index", "1"])
+    out = capsys.readouterr().out
+    assistant = rows[1]["messages"][-1]["content"]
+    assert _marked(out) == [f"{assistant}<|im_end|>\n"]  # ChatML: only the assistant turn and its end
+    n_loss = int(out.split(" carry loss")[0].rsplit(" ", 1)[1])
+    assert n_loss == len(f"{assistant}<|im_end|>\n".encode())  # byte tokenizer: one token per byte
+    # packed: several samples per window, each completion marked, nothing of the prompts
+    show_sample.main([*SFT, *cache, "--index", "0"])
+    out = capsys.readouterr().out
+    documents = out.count("---- document ")
+    assert documents > 3 and len(_marked(out)) == documents
+    completions = {r["completion"] + "<eos>" for r in rows if "completion" in r}
+    answers = {r["messages"][-1]["content"] + "<|im_end|>\n" for r in rows if "messages" in r}
+    assert all(m in completions | answers for m in _marked(out))
+
+
+def test_show_sample_index_out_of_range_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"^show_sample: --index 99999 is outside the \d+ samples of one epoch"):
+        show_sample.main([*SFT, "--training.dataset_cache_dir", str(tmp_path / "c"), "--index", "99999"])
