@@ -114,3 +114,42 @@ def test_show_sample_marks_exactly_the_loss_tokens(tmp_path, capsys):
 def test_show_sample_index_out_of_range_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"^show_sample: --index 99999 is outside the \d+ samples of one epoch"):
         show_sample.main([*SFT, "--training.dataset_cache_dir", str(tmp_path / "c"), "--index", "99999"])
+
+
+import plan  # noqa: E402
+
+
+def test_plan_prints_a_toml_that_trains_and_fits(tmp_path, capsys):
+    from titan_ulysses.config.manager import load_config, validate
+    from titan_ulysses.metrics.memory_estimate import GIB, estimate
+    from titan_ulysses.metrics.memory_fit import BUDGET, from_config
+
+    out = tmp_path / "plan.toml"
+    memory = 0.12  # GiB: the debug model at 8K tokens needs a split and switches to fit
+    argv = ["--flavor", "debugmodel", "--seq-len", "8192", "--gpus", "4", "--gpu-memory-gib", str(memory)]
+    plan.main([*argv, "--out", str(out)])
+    printed = capsys.readouterr().out
+    config = load_config(["--config", str(out)])
+    dims = validate(config, 4)  # the TOML is a valid 4-GPU job
+    assert dims.sp * dims.cp > 1 and config.training.seq_len == 8192
+    args, layout, switches = from_config(config, dims)
+    est = estimate(args, layout, switches, 8192, 1)
+    assert est.total <= BUDGET * memory * GIB
+    assert f"  {'total':<24} {est.total / GIB:8.2f} GiB of {memory:g}" in printed
+    for name, value in est.phases.items():
+        assert f"  {name:<24} {value / GIB:8.2f} GiB" in printed
+    # the throughput estimate: FLOPs at the measured rates (which docs/benchmarks.md must hold)
+    bench = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
+    assert f"{plan.MATMUL_TFLOPS:g} TFLOP/s matmul" in bench and "74% at 32K, 70% at 64K and 128K" in bench
+    one = plan.tokens_per_second(args, 8192, "none", 100.0)
+    assert plan.tokens_per_second(args, 8192, "none", 200.0)["tokens_per_sec_per_device"] == pytest.approx(
+        2 * one["tokens_per_sec_per_device"])
+    full = plan.tokens_per_second(args, 8192, "full", 100.0)  # a recomputed forward: 4/3 of the FLOPs
+    assert full["tokens_per_sec_per_device"] == pytest.approx(0.75 * one["tokens_per_sec_per_device"])
+    assert "throughput ESTIMATE (compute only, an upper bound)" in printed
+
+
+def test_plan_says_when_nothing_fits():
+    with pytest.raises(SystemExit, match=r"^plan: no layout of 1 GPUs and no memory switch fits seq_len 8192 in 90% "
+                                         r"of 0.001 GiB"):
+        plan.main(["--flavor", "debugmodel", "--seq-len", "8192", "--gpus", "1", "--gpu-memory-gib", "0.001"])
