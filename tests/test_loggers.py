@@ -184,3 +184,20 @@ def test_data_wait_is_the_time_inside_next():
     time.sleep(0.5)  # time outside next() is not waiting on data
     waited = timer.take()
     assert 0.1 <= waited < 0.45 and timer.take() == 0.0
+
+
+def test_summary_lines(capsys):
+    from titan_ulysses.metrics.loggers.console import ConsoleLogger
+    from titan_ulysses.metrics.progress import RunProgress
+
+    progress = RunProgress(start_step=4, total_steps=10, tokens_per_step=512)
+    progress.last_loss, progress.validation = 1.5, (10, 1.25)
+    summary = progress.summary(10, "out/checkpoint/step-10", "out/metrics.jsonl")
+    assert summary["steps_this_run"] == 6 and summary["tokens_this_run"] == 3072
+    ConsoleLogger().log_summary(summary)
+    out = capsys.readouterr().out
+    assert out.startswith("run summary: 6 steps this run (step 4 -> 10 of 10), 3,072 tokens in ")
+    assert "final loss 1.5000, validation loss 1.2500 (step 10)\n  checkpoint: out/checkpoint/step-10\n" in out
+    ConsoleLogger().log_summary(RunProgress(10, 10, 512).summary(10, "out/checkpoint/step-10", "m"))
+    assert capsys.readouterr().out == ("run summary: all 10 steps were already done (out/checkpoint/step-10); "
+                                       "nothing to train\n")
