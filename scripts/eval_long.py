@@ -255,9 +255,14 @@ def main(argv=None) -> int:
         print("needles: " + "  ".join(f"{k} key(s) {r:.2f} retrieved (answer-token accuracy {t:.2f})"
                                       for k, r, t in zip(nd["keys"], nd["retrieved"], nd["token_accuracy"])))
         print(f"wrote {a.output}.json and {a.output}.png")
+    dist.barrier()  # tear down together (train.py: a rank destroying its gloo groups while a peer talks aborts)
     dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # as train.py: no interpreter teardown, where a joinable gloo thread aborts the process now and then
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
