@@ -153,3 +153,21 @@ def test_plan_says_when_nothing_fits():
     with pytest.raises(SystemExit, match=r"^plan: no layout of 1 GPUs and no memory switch fits seq_len 8192 in 90% "
                                          r"of 0.001 GiB"):
         plan.main(["--flavor", "debugmodel", "--seq-len", "8192", "--gpus", "1", "--gpu-memory-gib", "0.001"])
+
+
+def test_plan_reads_a_hugging_face_folder(tmp_path, capsys):
+    from hf_fixtures import make_hf_model
+
+    from titan_ulysses.config.manager import load_config, validate
+    from titan_ulysses.models.hf_config import load_hf_args
+
+    folder = str(tmp_path / "qwen3")
+    make_hf_model(folder, "qwen3", {})
+    plan.main(["--hf-assets-path", folder, "--seq-len", "4096", "--gpus", "2", "--gpu-memory-gib", "0.1",
+               "--out", str(tmp_path / "plan.toml")])
+    printed = capsys.readouterr().out
+    config = load_config(["--config", str(tmp_path / "plan.toml")])
+    assert config.model.hf_assets_path == folder and config.model.tokenizer == "hf"
+    validate(config, 2)
+    args = load_hf_args(folder)
+    assert f"# scripts/plan.py: {args.num_params() / 1e6:,.0f}M params, seq_len 4096, 2 GPUs of 0.1 GiB" in printed
