@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.preflight import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDE = os.path.join(ROOT, "docs", "guide.md")

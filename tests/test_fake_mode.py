@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.preflight import validate
 from titan_ulysses.metrics.comm import ulysses_bytes_per_step
 from titan_ulysses.models.llama.args import get_flavor
 

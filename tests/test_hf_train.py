@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_fixtures import TEXTS, make_hf_model, make_tokenizer
-from titan_ulysses.config.manager import ConfigError, check_files, load_config, validate
+from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.preflight import check_files, validate
 from titan_ulysses.data.hf_tokenizer import HFTokenizer
 
 transformers = pytest.importorskip("transformers")

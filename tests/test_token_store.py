@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.preflight import validate
 from titan_ulysses.data import sources
 from titan_ulysses.data.build import build_dataset, data_settings, open_store
 from titan_ulysses.data.loader import build_dataloader
