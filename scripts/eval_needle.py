@@ -35,8 +35,8 @@ from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.tokenizer import build_tokenizer
 from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
-from titan_ulysses.ops.loss import IGNORE_INDEX
 from titan_ulysses.models.resolve import model_args
+from titan_ulysses.ops.loss import IGNORE_INDEX
 from titan_ulysses.preflight import validate
 from titan_ulysses.trainer import init_distributed
 

@@ -16,8 +16,7 @@ import sys
 
 import pytest
 
-from test_fake_mode import run_fake_world
-from test_trainer import BASE, layout, losses, run
+from helpers import BASE, layout, losses, run, run_fake_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "100"]

@@ -23,10 +23,10 @@ def _run(args, nproc=None):
 def checkpoint(tmp_path_factory):
     """A checkpoint the trainer wrote at sp=2 (in forked ranks: no torchrun, no fresh imports)."""
     from dist_utils import run_distributed
-    from test_trainer import _train
+    from helpers import train_worker
 
     dump = tmp_path_factory.mktemp("run")
-    run_distributed(_train, 2, ["--config", CONFIG, "--training.steps", "2", "--training.seq_len", "128",
+    run_distributed(train_worker, 2, ["--config", CONFIG, "--training.steps", "2", "--training.seq_len", "128",
                                 "--checkpoint.interval", "2", "--job.dump_folder", str(dump)])
     return os.path.join(dump, "checkpoint", "step-2")
 

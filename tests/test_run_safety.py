@@ -21,7 +21,7 @@ import pytest
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from test_trainer import BASE, layout, read_metrics
+from helpers import BASE, layout, read_metrics
 from titan_ulysses.config.manager import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -190,7 +190,7 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
     check_files(config)
     tokenizer = load_tokenizer(config)
     args = model_args(config, tokenizer.vocab_size)
-    m, t = config.model, config.training
+    m = config.model
     source = (f"{describe(args)} (from {m.hf_assets_path}/config.json)" if m.hf_assets_path
               else f"flavor {m.flavor}")
     lines = [f"dry run: {world_size} rank(s); nothing was started or written",

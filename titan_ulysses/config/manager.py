@@ -123,7 +123,6 @@ def check_config(config: JobConfig, world_size: int) -> int:
     against ``comm.fake_world_size``. The checks that need the model, the parallelism
     layout, this machine or the files a setting names are ``titan_ulysses/preflight.py``'s.
     """
-    t = config.training
     refusal = check_ranges(config)
     if refusal:
         raise ConfigError(refusal)
