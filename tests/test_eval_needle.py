@@ -31,6 +31,7 @@ def checkpoint(tmp_path_factory):
     return os.path.join(dump, "checkpoint", "step-2")
 
 
+@pytest.mark.slow
 def test_ulysses_evaluation_equals_one_process(checkpoint, tmp_path):
     grid = ["--lengths", "112,160", "--depths", "0,1", "--samples", "3", "--training.passkey_digits", "2"]
     script = os.path.join("scripts", "eval_needle.py")
@@ -47,6 +48,7 @@ def test_ulysses_evaluation_equals_one_process(checkpoint, tmp_path):
     assert (tmp_path / "sp2.png").stat().st_size > 10_000  # the heatmap was drawn
 
 
+@pytest.mark.slow
 def test_bad_depth_and_checkpoint_are_refused_by_name(checkpoint):
     """Each refusal comes before any process group: called in this process, the script's
     SystemExit(message) is what `python scripts/eval_needle.py` prints before exiting 1."""

@@ -22,6 +22,7 @@ def test_a2a_volume_by_hand():
     assert ulysses_bytes_per_step(args, 4096, 1, 1, 1, 4, False) == 0.0
 
 
+@pytest.mark.slow
 def test_fake_world_runs_a_production_layout_in_one_process(tmp_path):
     stdout, metrics = run_fake_world(tmp_path, 8, "--parallelism.ulysses_degree", "8", "--training.seq_len", "4096",
                                      "--training.steps", "2", "--metrics.log_freq", "1")

@@ -87,6 +87,7 @@ def test_nan_loss_stops_without_touching_the_last_checkpoint(tmp_path):
     assert [m["step"] for m in read_metrics(tmp_path / "nan")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_config_error_exits_nonzero_with_one_line():
     proc = subprocess.run(
         [sys.executable, "train.py", "--training.seq_lenn", "64"], cwd=ROOT, capture_output=True, text=True
