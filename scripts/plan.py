@@ -46,7 +46,8 @@ def tokens_per_second(args, seq_len: int, ac_mode: str, matmul_tflops: float) ->
 
 def plan_config(a):
     """The JobConfig of the plan, its layout and the memory estimate, or SystemExit naming why not."""
-    from titan_ulysses.config.manager import ConfigError, _set, load_config, validate
+    from titan_ulysses.config.manager import ConfigError, _set, load_config
+    from titan_ulysses.preflight import validate
     from titan_ulysses.metrics.memory_estimate import GIB, estimate
     from titan_ulysses.metrics.memory_fit import BUDGET, from_config, recommend
 

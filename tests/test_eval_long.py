@@ -18,10 +18,10 @@ import eval_long  # noqa: E402
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from dist_utils import run_distributed
-    from test_trainer import _train
+    from helpers import train_worker
 
     dump = tmp_path_factory.mktemp("run")
-    run_distributed(_train, 2, ["--config", CONFIG, "--training.steps", "2", "--training.seq_len", "128",
+    run_distributed(train_worker, 2, ["--config", CONFIG, "--training.steps", "2", "--training.seq_len", "128",
                                 "--checkpoint.interval", "2", "--job.dump_folder", str(dump)])
     return os.path.join(dump, "checkpoint", "step-2")
 
@@ -54,6 +54,7 @@ def _run(args, nproc=None):
     return proc
 
 
+@pytest.mark.slow
 def test_eval_long_at_sp2_equals_one_process(checkpoint, held_out, tmp_path):
     common = ["--config", CONFIG, "--checkpoint", checkpoint, "--data", held_out, "--seq-len", "256",
               "--buckets", "4", "--max-docs", "2", "--keys", "1,3", "--needle-samples", "2"]

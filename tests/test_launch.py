@@ -8,8 +8,10 @@ import stat
 import subprocess
 import sys
 
+import pytest
+
 from dist_utils import run_distributed
-from test_trainer import BASE, _train, layout, read_metrics
+from helpers import BASE, layout, read_metrics, train_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = BASE + layout(sp=2) + ["--training.steps", "3"]
@@ -44,6 +46,7 @@ def _stub(folder, name, text):
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
+@pytest.mark.slow
 def test_two_nodes_on_localhost_equal_one_node(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -61,11 +64,12 @@ def test_two_nodes_on_localhost_equal_one_node(tmp_path):
     assert "2 node(s) x 1 worker(s), rendezvous at localhost:" in proc.stdout
     two_nodes = [m["loss"] for m in read_metrics(tmp_path / "two_nodes")]
 
-    run_distributed(_train, 2, ARGS + ["--job.dump_folder", str(tmp_path / "one_node")])
+    run_distributed(train_worker, 2, ARGS + ["--job.dump_folder", str(tmp_path / "one_node")])
     one_node = [m["loss"] for m in read_metrics(tmp_path / "one_node")]
     assert len(two_nodes) == 3 and two_nodes == one_node
 
 
+@pytest.mark.slow
 def test_launch_slurm_outside_slurm_is_one_line():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_slurm.sh")], env=env,

@@ -10,8 +10,9 @@ import struct
 import pytest
 
 from dist_utils import run_distributed
-from test_trainer import BASE, _train, layout, read_metrics
-from titan_ulysses.config.manager import ConfigError, load_config, validate
+from helpers import BASE, layout, read_metrics, train_worker
+from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.preflight import validate
 
 wandb = pytest.importorskip("wandb")  # the dev extra installs it
 
@@ -23,7 +24,7 @@ RUN = BASE + layout(sp=2) + ["--checkpoint.enable", "true", "--checkpoint.interv
 def _train_offline(argv):
     os.environ["WANDB_MODE"] = "offline"  # set in the rank itself: the forkserver keeps its own env
     os.environ["WANDB_SILENT"] = "true"
-    _train(argv)
+    train_worker(argv)
 
 
 def wandb_records(path: str) -> list:

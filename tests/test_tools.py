@@ -25,6 +25,7 @@ def _step(step, loss, scale=1.0):
             "tokens_per_sec_per_device": 1000.0 + 10 * step * scale, "max_memory_gib": 0.5 + 0.01 * step * scale}
 
 
+@pytest.mark.slow
 def test_plot_metrics_png_holds_the_runs_numbers(tmp_path):
     # run A was resumed from step 2 after logging step 3: the resumed step 3 is the one plotted
     a = [_step(1, 5.0), _step(2, 4.0), _step(3, 9.9), {"step": 2, "validation_loss": 4.5, "validation_tokens": 64},
@@ -61,6 +62,7 @@ def test_plot_metrics_refuses_a_folder_without_metrics(tmp_path):
         plot_metrics.main([str(tmp_path / "bad")])
 
 
+@pytest.mark.slow
 def test_estimate_memory_track_shows_a_progress_bar():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "estimate_memory.py"), "--config",
                            "train_configs/debug_model.toml", "--world-size", "2", "--track", "--json",
@@ -120,7 +122,8 @@ import plan  # noqa: E402
 
 
 def test_plan_prints_a_toml_that_trains_and_fits(tmp_path, capsys):
-    from titan_ulysses.config.manager import load_config, validate
+    from titan_ulysses.config.manager import load_config
+    from titan_ulysses.preflight import validate
     from titan_ulysses.metrics.memory_estimate import GIB, estimate
     from titan_ulysses.metrics.memory_fit import BUDGET, from_config
 
@@ -158,7 +161,8 @@ def test_plan_says_when_nothing_fits():
 def test_plan_reads_a_hugging_face_folder(tmp_path, capsys):
     from hf_fixtures import make_hf_model
 
-    from titan_ulysses.config.manager import load_config, validate
+    from titan_ulysses.config.manager import load_config
+    from titan_ulysses.preflight import validate
     from titan_ulysses.models.hf_config import load_hf_args
 
     folder = str(tmp_path / "qwen3")
