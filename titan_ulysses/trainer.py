@@ -251,6 +251,8 @@ class Trainer:
         box = [error]
         dist.broadcast_object_list(box, src=0)
         if box[0]:
+            if self.lock is not None:
+                self.lock.release()  # the run never starts
             raise ConfigError(box[0])
         return logger
 
