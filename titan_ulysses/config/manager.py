@@ -14,7 +14,7 @@ except ImportError:  # Python < 3.11
 
 from titan_ulysses.checkpoint.hf import check_hf_weights
 from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
-from titan_ulysses.config.job_config import CHOICES, JobConfig
+from titan_ulysses.config.job_config import CHOICES, JobConfig, parse_lora_targets
 from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.config.ranges import check_ranges
 from titan_ulysses.data.sharding import check_seq_len
@@ -200,7 +200,22 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
             check_float8(float8_options(config), dims.tp)
         except (ValueError, ImportError) as e:
             raise ConfigError(str(e)) from e
+    _validate_lora(config, dims)
     return dims
+
+
+def _validate_lora(config: JobConfig, dims: ParallelDims) -> None:
+    """lora.target_modules names (always: a typo should not wait for rank > 0) and the layouts LoRA runs at."""
+    try:
+        parse_lora_targets(config.lora.target_modules)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if config.lora.rank > 0 and dims.tp > 1:
+        raise ConfigError(
+            f"lora.rank {config.lora.rank} with parallelism.tensor_parallel_degree {dims.tp} is not supported: "
+            f"tensor parallelism shards only the base projections, the adapters would need plans of their own; "
+            f"use ulysses_degree / context_parallel_degree / data_parallel_shard_degree (tensor_parallel_degree 1)"
+        )
 
 
 def _model_args(config: JobConfig):
