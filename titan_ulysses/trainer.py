@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from titan_ulysses.checkpoint.hf import load_hf_weights
 from titan_ulysses.checkpoint.hf_export import write_model_record
+from titan_ulysses.checkpoint.lora_export import write_lora_record
 from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
 from titan_ulysses.checkpoint.manager import CheckpointManager, complete_steps
 from titan_ulysses.config.job_config import JobConfig
@@ -194,7 +195,8 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, enable=c.enable, interval=c.interval,
             async_mode=c.async_mode, keep_latest_k=c.keep_latest_k, settings=resume_settings(config),
             timeout_seconds=config.comm.init_timeout_seconds,
-            extras=lambda d: write_model_record(d, self.args, config.model.hf_assets_path),
+            extras=lambda d: (write_model_record(d, self.args, config.model.hf_assets_path),
+                              write_lora_record(d, options.lora, config.model.hf_assets_path or config.model.flavor)),
         )
         self.step = self.checkpointer.load() if c.enable else 0
         if hf_start:
