@@ -18,6 +18,7 @@ import torch.distributed as dist
 from dist_utils import assert_close, run_distributed
 from model_harness import clean_name, full, make_batch, parallel_step, reference_step, small_args
 from titan_ulysses.checkpoint.manager import CheckpointManager
+from titan_ulysses.distributed.float8 import Float8Options, apply_float8, precompute_float8_scales
 from titan_ulysses.distributed.lora import LoRAOptions, apply_lora, init_lora, parameter_counts, resolve_targets
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_, load_full_state_dict
@@ -32,7 +33,7 @@ MAX_NORM = 0.05
 LORA = LoRAOptions(rank=4, alpha=8.0, targets=resolve_targets("q_proj,k_proj,v_proj,o_proj,w1,w2,w3"))
 
 
-def trained_like_reference(args, lora: LoRAOptions = LORA) -> Transformer:
+def trained_like_reference(args, lora: LoRAOptions = LORA, float8: Float8Options | None = None) -> Transformer:
     """A plain model with adapters, its weights far from init (same on every rank)."""
     torch.manual_seed(0)
     ref = Transformer(args)
@@ -41,6 +42,8 @@ def trained_like_reference(args, lora: LoRAOptions = LORA) -> Transformer:
         for layer in ref.layers.values():
             layer.attention.wq.weight.mul_(4)
             layer.attention.wk.weight.mul_(4)
+    if float8 is not None:
+        apply_float8(ref, float8)
     apply_lora(ref, lora, torch.float32)
     init_lora(ref, seed=1)
     g = torch.Generator().manual_seed(2)
@@ -61,18 +64,21 @@ def parallel_twin(ref, args, pd: ParallelDims, options: ParallelizeOptions):
     return model
 
 
-def _compare(layout: dict, ac_mode: str, compile_: bool, microbatches: int):
+def _compare(layout: dict, ac_mode: str, compile_: bool, microbatches: int, overrides: dict, extra: dict):
     pd = ParallelDims(**layout, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
-    args = small_args()
-    ref = trained_like_reference(args)
-    model = parallel_twin(ref, args, pd, ParallelizeOptions(ac_mode=ac_mode, compile=compile_,
-                                                            param_dtype=torch.float32, lora=LORA))
+    args = small_args(**overrides)
+    float8 = extra.pop("float8", None)
+    ref = trained_like_reference(args, float8=float8)
+    model = parallel_twin(ref, args, pd, ParallelizeOptions(ac_mode=ac_mode, compile=compile_, param_dtype=torch.float32,
+                                                            lora=LORA, float8=float8, **extra))
     base_before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.1,
                                 foreach=False)
     opt = build_optimizer(model, "AdamW", LR, 0.1, 1e-8, (0.9, 0.999), "cpu")
     ref_params = dict(ref.named_parameters())
+    if float8 is not None:  # the frozen base projections compute in float8
+        assert {type(m).__name__ for m in model.modules()} >= {"LoRAFloat8Linear"}
     trainable, total = parameter_counts(model)
     assert (trainable, total) == parameter_counts(ref) and 0 < trainable < total / 5
     assert trainable == sum(p.numel() for n, p in ref_params.items() if "lora_" in n)
@@ -98,6 +104,8 @@ def _compare(layout: dict, ac_mode: str, compile_: bool, microbatches: int):
         ref_opt.zero_grad()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if float8:
+            precompute_float8_scales(model, float8)
     assert len(opt.state) == adapters  # no optimizer state for the frozen base
     for name, p in model.named_parameters():
         name = clean_name(name)
@@ -108,21 +116,27 @@ def _compare(layout: dict, ac_mode: str, compile_: bool, microbatches: int):
                                        msg=lambda m: f"adapter {name} after {STEPS} steps: {m}")
 
 
+TILED = dict(mlp_tile_size=3)
 CASES = {
-    # id: (world size, layout, ac mode, compile, microbatches)
-    "sp2": (2, dict(sp=2), "none", False, 1),
-    "dp_shard2-sp2": (4, dict(dp_shard=2, sp=2), "none", False, 1),
-    "cp2": (2, dict(cp=2), "none", False, 1),
-    "sp2-ac-full": (2, dict(sp=2), "full", False, 1),
-    "dp_shard2-sp2-accum2-ac-selective": (4, dict(dp_shard=2, sp=2), "selective", False, 2),
-    "sp2-compile": (2, dict(sp=2), "none", True, 1),
+    # id: (world size, layout, ac mode, compile, microbatches, model overrides, other parallelize options)
+    "sp2": (2, dict(sp=2), "none", False, 1, {}, {}),
+    "dp_shard2-sp2": (4, dict(dp_shard=2, sp=2), "none", False, 1, {}, {}),
+    "cp2": (2, dict(cp=2), "none", False, 1, {}, {}),
+    "sp2-ac-full": (2, dict(sp=2), "full", False, 1, {}, {}),
+    "dp_shard2-sp2-accum2-ac-selective": (4, dict(dp_shard=2, sp=2), "selective", False, 2, {}, {}),
+    "sp2-compile": (2, dict(sp=2), "none", True, 1, {}, {}),
+    "sp2-tiled-mlp-ac-offload-fsdp-offload": (2, dict(sp=2), "full_offload", False, 1, TILED, dict(cpu_offload=True)),
+    # the frozen base computes in float8 (emulated on CPU), the adapters in high precision; rowwise
+    # scales are per token, so a sequence split quantizes exactly as one process does
+    "sp2-float8-rowwise": (2, dict(sp=2), "none", False, 1, {},
+                              dict(float8=Float8Options(recipe="rowwise", emulate=True))),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_lora_layout_matches_single_process(case):
-    world, layout, ac_mode, compile_, microbatches = CASES[case]
-    run_distributed(_compare, world, layout, ac_mode, compile_, microbatches)
+    world, layout, ac_mode, compile_, microbatches, overrides, extra = CASES[case]
+    run_distributed(_compare, world, layout, ac_mode, compile_, microbatches, overrides, extra)
 
 
 def _train(model, pd, opt, steps):
@@ -162,3 +176,41 @@ def _resume_at_another_layout(folder):
 
 def test_lora_resume_at_another_layout_is_exact(tmp_path):
     run_distributed(_resume_at_another_layout, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("argv, refusal", [
+    (["--lora.target_modules", "q_proj,qkv_proj"],
+     "lora.target_modules: unknown module 'qkv_proj'; valid: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+     "down_proj (or ours: wq, wk, wv, wo, w1, w3, w2)"),
+    (["--lora.target_modules", " , "], "lora.target_modules: is empty; valid: q_proj"),
+    (["--lora.rank", "-1"], "lora.rank must be >= 0, got -1"),
+    (["--lora.dropout", "1.0"], "lora.dropout must lie in [0, 1), got 1.0"),
+    (["--lora.alpha", "0"], "lora.alpha must be positive, got 0.0"),
+    (["--lora.rank", "8", "--parallelism.tensor_parallel_degree", "2"],
+     "lora.rank 8 with parallelism.tensor_parallel_degree 2 is not supported"),
+    (["--lora.rank", "8", "--lora.dropout", "0.1", "--model.mlp_tile_size", "64"],
+     "lora.dropout 0.1 with model.mlp_tile_size 64: the tiled MLP recomputes"),
+])
+def test_lora_settings_refused_before_any_process_group(argv, refusal):
+    from titan_ulysses.config.manager import ConfigError, load_config, validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(argv), world_size=2)
+    assert refusal in str(e.value)
+    assert not dist.is_initialized()
+
+
+def test_target_names_ours_or_hugging_faces_and_the_default_is_every_projection():
+    from titan_ulysses.config.job_config import LoRA
+
+    assert resolve_targets("w2, q_proj,wk") == ("q_proj", "k_proj", "down_proj")
+    assert resolve_targets(LoRA().target_modules) == resolve_targets("wq,wk,wv,wo,w1,w2,w3")
+    model = small_args()
+    with torch.device("meta"):
+        m = Transformer(model)
+    apply_lora(m, LoRAOptions(rank=2, targets=resolve_targets("o_proj,up_proj")), torch.bfloat16)
+    adapted = sorted(n for n, p in m.named_parameters() if p.requires_grad)
+    assert adapted == [f"layers.{i}.{path}.{ab}" for i in range(2) for path in ("attention.wo", "feed_forward.w3")
+                       for ab in ("lora_A", "lora_B")]
+    assert {p.dtype for p in m.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in m.parameters() if p.requires_grad} == {torch.float32}

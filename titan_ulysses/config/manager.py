@@ -206,13 +206,21 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
 
 def _validate_lora(config: JobConfig, dims: ParallelDims) -> None:
     """lora.target_modules names (always: a typo should not wait for rank > 0) and the layouts LoRA runs at."""
+    lora = config.lora
     try:
-        parse_lora_targets(config.lora.target_modules)
+        targets = parse_lora_targets(lora.target_modules)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    if config.lora.rank > 0 and dims.tp > 1:
+    mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
+    if lora.rank > 0 and lora.dropout > 0 and config.model.mlp_tile_size > 0 and mlp:
         raise ConfigError(
-            f"lora.rank {config.lora.rank} with parallelism.tensor_parallel_degree {dims.tp} is not supported: "
+            f"lora.dropout {lora.dropout} with model.mlp_tile_size {config.model.mlp_tile_size}: the tiled MLP "
+            f"recomputes each tile in backward, where the adapters of {', '.join(mlp)} would draw other dropout "
+            f"masks; set lora.dropout 0, model.mlp_tile_size 0, or leave the MLP out of lora.target_modules"
+        )
+    if lora.rank > 0 and dims.tp > 1:
+        raise ConfigError(
+            f"lora.rank {lora.rank} with parallelism.tensor_parallel_degree {dims.tp} is not supported: "
             f"tensor parallelism shards only the base projections, the adapters would need plans of their own; "
             f"use ulysses_degree / context_parallel_degree / data_parallel_shard_degree (tensor_parallel_degree 1)"
         )
