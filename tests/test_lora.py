@@ -214,3 +214,40 @@ def test_target_names_ours_or_hugging_faces_and_the_default_is_every_projection(
                        for ab in ("lora_A", "lora_B")]
     assert {p.dtype for p in m.parameters() if not p.requires_grad} == {torch.bfloat16}
     assert {p.dtype for p in m.parameters() if p.requires_grad} == {torch.float32}
+
+
+def _initial_load(folder):
+    """LoRA on another run's weights (checkpoint.initial_load_path, e.g. after context extension)."""
+    from titan_ulysses.distributed.lora import init_state
+
+    pd = ParallelDims(sp=2, world_size=dist.get_world_size())
+    pd.build_mesh("cpu")
+    args = small_args()
+    torch.manual_seed(3)
+    base = Transformer(args)
+    base.init_weights()
+
+    def manager(model, name):
+        opt = build_optimizer(model, "AdamW", LR, 0.1, 1e-8, (0.9, 0.999), "cpu")
+        return CheckpointManager(folder=os.path.join(folder, name), model=model, optimizer=opt, lr_scheduler=opt,
+                                 dataloader=opt, enable=True, interval=1)
+
+    full_run = parallel_twin(base, args, pd, ParallelizeOptions(param_dtype=torch.float32))
+    manager(full_run, "full").save(1)
+    lora_run = parallel_twin(trained_like_reference(args), args, pd, ParallelizeOptions(param_dtype=torch.float32,
+                                                                                        lora=LORA))
+    init_lora(lora_run, seed=5)
+    manager(lora_run, "lora").load_model_only(os.path.join(folder, "full", "step-1"))
+    adapters = init_state(lora_run, seed=5)
+    for name, p in lora_run.named_parameters():
+        name = clean_name(name)
+        expected = adapters[name] if name in adapters else base.state_dict()[name]
+        assert torch.equal(full(p.detach()), expected), name
+    # the other way round would drop the adapters: refused
+    manager(lora_run, "lora").save(1)
+    with pytest.raises(ValueError, match="holds LoRA adapters but this run has lora.rank 0"):
+        manager(full_run, "full").load_model_only(os.path.join(folder, "lora", "step-1"))
+
+
+def test_lora_starts_from_a_base_checkpoint_and_a_lora_checkpoint_is_not_loaded_without_adapters(tmp_path):
+    run_distributed(_initial_load, 2, str(tmp_path))

@@ -145,7 +145,9 @@ def check_dcp_model_shapes(checkpoint_dir: str, args: LlamaArgs) -> None:
     if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
         raise FileNotFoundError(f"{checkpoint_dir!r} is not a complete checkpoint (no .metadata); point it at a "
                                 f"step-N folder")
-    found = {k: tuple(m.size) for k, m in _model_metadata(checkpoint_dir).items()}
+    meta = _model_metadata(checkpoint_dir)
+    pop_adapters(meta)  # a LoRA run's adapters: their base weights are what must fit
+    found = {k: tuple(m.size) for k, m in meta.items()}
     check_checkpoint_shapes(found, args, "of this run (model.flavor / model.hf_assets_path)")
 
 

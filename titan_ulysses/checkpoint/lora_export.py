@@ -108,3 +108,29 @@ def export_peft_adapter(checkpoint_dir: str, output_dir: str, base_model: str = 
     with open(os.path.join(output_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return ["adapter_model.safetensors", "adapter_config.json"]
+
+
+def model_only_planner(model, path: str):
+    """The DCP load planner for loading only the weights of checkpoint ``path`` into ``model``
+    (``checkpoint.initial_load_path``), or None for the default.
+
+    A checkpoint without adapters into a LoRA run (LoRA on a fine-tuned or context-extended
+    base) loads every base weight and leaves the adapters as initialised. A LoRA checkpoint into
+    a run without adapters is refused: its adapters would be dropped without a word.
+    """
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    saved = {k[len("model."):] for k in FileSystemReader(path).read_metadata().state_dict_metadata
+             if k.startswith("model.")}
+    mine = set(get_model_state_dict(model))
+    adapters = {k for k in mine if k.endswith((_A, _B))}
+    if any(k.endswith((_A, _B)) for k in saved) and not adapters:
+        raise ValueError(
+            f"checkpoint.initial_load_path {path!r} holds LoRA adapters but this run has lora.rank 0, so they would "
+            f"be dropped: set lora.rank / lora.alpha / lora.target_modules as that run had, or start from its merged "
+            f"export (scripts/export_hf.py) as model.hf_assets_path"
+        )
+    if adapters and mine - saved == adapters:
+        return DefaultLoadPlanner(allow_partial_load=True)  # only the adapters are missing: they keep their init
+    return None

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_ulysses.checkpoint import manifest
+from titan_ulysses.checkpoint.lora_export import model_only_planner
 from titan_ulysses.checkpoint.safety import explain_save_error, is_out_of_space, nonfinite_tensors, set_aside, state_bytes
 from titan_ulysses.checkpoint.state import training_state
 from titan_ulysses.data.sources import DataError
@@ -384,4 +385,5 @@ class CheckpointManager:
         reason = self.verify(path)
         if reason:
             raise ValueError(f"checkpoint {path} fails verification: {reason}")
-        dcp.load(self._state(model_only=True), checkpoint_id=path, process_group=self._pg)
+        planner = model_only_planner(self.model, path)  # LoRA: a base checkpoint has no adapters
+        dcp.load(self._state(model_only=True), checkpoint_id=path, process_group=self._pg, planner=planner)
