@@ -212,7 +212,8 @@ class Trainer:
             resumed = f"; resumed: {settings_changes(self.checkpointer.loaded_settings, resume_settings(config))}"
         self.nonfinite_in_a_row = 0
         self.metrics = MetricsLogger(config.job.dump_folder, self.rank, config.metrics.enable_tensorboard)
-        self.flops_per_token = flops_per_token(self.args, t.seq_len)
+        self.flops_per_token = flops_per_token(self.args, t.seq_len,
+                                               self.trainable_params if options.lora is not None else 0)
         self.peak_flops = peak_flops(self.device)
         # packed rows hold several documents: every backend masks per document (sdpa densely)
         self.use_doc_mask = self.data.packed

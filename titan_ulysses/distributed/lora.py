@@ -92,10 +92,6 @@ def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(clean_name(n), m) for n, m in model.named_modules() if isinstance(m, LoRAMixin)]
 
 
-def is_lora_name(name: str) -> bool:
-    return name.endswith((".lora_A", ".lora_B"))
-
-
 def apply_lora(model: nn.Module, options: LoRAOptions, compute_dtype: torch.dtype) -> None:
     """Freeze ``model`` (base parameters cast to ``compute_dtype``) and add fp32 adapters to the targets.
 
