@@ -251,3 +251,20 @@ def _initial_load(folder):
 
 def test_lora_starts_from_a_base_checkpoint_and_a_lora_checkpoint_is_not_loaded_without_adapters(tmp_path):
     run_distributed(_initial_load, 2, str(tmp_path))
+
+
+def test_chunked_loss_with_a_frozen_output_weight():
+    """The chunked loss computes no [V, D] gradient for a frozen output weight (LoRA), and the hidden
+    states' gradient is the unchunked loss's."""
+    from titan_ulysses.ops.loss import cross_entropy_sum, linear_cross_entropy_sum
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 13, 32, generator=g, requires_grad=True)
+    weight = torch.randn(300, 32, generator=g)  # frozen
+    labels = torch.randint(0, 300, (2, 13), generator=g)
+    labels[0, :5] = -100
+    linear_cross_entropy_sum(hidden, weight, labels, chunk_size=4).backward()
+    expected = hidden.detach().clone().requires_grad_()
+    cross_entropy_sum(expected @ weight.t(), labels).backward()
+    assert_close(hidden.grad, expected.grad, "hidden gradient")
+    assert weight.grad is None
