@@ -122,9 +122,9 @@ CASES = {
     "sp2": (2, dict(sp=2), "none", False, 1, {}, {}),
     "dp_shard2-sp2": (4, dict(dp_shard=2, sp=2), "none", False, 1, {}, {}),
     "cp2": (2, dict(cp=2), "none", False, 1, {}, {}),
-    "sp2-ac-full": (2, dict(sp=2), "full", False, 1, {}, {}),
     "dp_shard2-sp2-accum2-ac-selective": (4, dict(dp_shard=2, sp=2), "selective", False, 2, {}, {}),
     "sp2-compile": (2, dict(sp=2), "none", True, 1, {}, {}),
+    # full AC (with its input offloaded), tiled MLP, FSDP CPU offload
     "sp2-tiled-mlp-ac-offload-fsdp-offload": (2, dict(sp=2), "full_offload", False, 1, TILED, dict(cpu_offload=True)),
     # the frozen base computes in float8 (emulated on CPU), the adapters in high precision; rowwise
     # scales are per token, so a sequence split quantizes exactly as one process does

@@ -6,6 +6,7 @@ and the trainer's own logits (our model with the checkpoint's weights) equal tho
 merged export in transformers and of the peft export loaded onto the base with peft.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -35,6 +36,13 @@ def _run(cmd, timeout=300):
     return proc.stdout
 
 
+def _export_script():
+    spec = importlib.util.spec_from_file_location("export_hf_script", os.path.join(ROOT, "scripts", "export_hf.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
 def test_lora_sft_from_hf_folder_learns_and_exports(tmp_path):
     from safetensors.torch import load_file
 
@@ -59,7 +67,7 @@ def test_lora_sft_from_hf_folder_learns_and_exports(tmp_path):
                 "--training.mixed_precision_param", "float32", "--optimizer.lr", "1e-2",
                 "--lr_scheduler.warmup_steps", "0", "--metrics.log_freq", "1",
                 "--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS),
-                "--lora.rank", str(RANK), "--lora.alpha", str(ALPHA)])
+                "--model.loss_chunk_size", "48", "--lora.rank", str(RANK), "--lora.alpha", str(ALPHA)])
     assert f"LoRA rank {RANK} on q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj" in out
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
@@ -92,12 +100,11 @@ def test_lora_sft_from_hf_folder_learns_and_exports(tmp_path):
         base_logits = base(tokens).logits
     assert (expected - base_logits).abs().max() > 0.05  # the adapters changed the model
 
-    _run([sys.executable, "scripts/export_hf.py", "--checkpoint", str(step), "--output", str(tmp_path / "merged"),
-          "--dtype", "float32"], timeout=120)
+    export = _export_script()  # the command line, in this process (no second interpreter start)
+    assert export(["--checkpoint", str(step), "--output", str(tmp_path / "merged"), "--dtype", "float32"]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
     merged.config._attn_implementation = "eager"
-    _run([sys.executable, "scripts/export_hf.py", "--checkpoint", str(step), "--output", str(tmp_path / "adapter"),
-          "--adapter-only"], timeout=120)
+    assert export(["--checkpoint", str(step), "--output", str(tmp_path / "adapter"), "--adapter-only"]) == 0
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == folder and config["r"] == RANK and config["lora_alpha"] == ALPHA
     names = set(load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")))
