@@ -70,8 +70,9 @@ def _compare(layout: dict, ac_mode: str, compile_: bool, microbatches: int, over
     args = small_args(**overrides)
     float8 = extra.pop("float8", None)
     ref = trained_like_reference(args, float8=float8)
-    model = parallel_twin(ref, args, pd, ParallelizeOptions(ac_mode=ac_mode, compile=compile_, param_dtype=torch.float32,
-                                                            lora=LORA, float8=float8, **extra))
+    options = ParallelizeOptions(ac_mode=ac_mode, compile=compile_, param_dtype=torch.float32, lora=LORA,
+                                 float8=float8, **extra)
+    model = parallel_twin(ref, args, pd, options)
     base_before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.1,
                                 foreach=False)

@@ -1,4 +1,4 @@
-"""LoRA SFT from a Hugging Face folder at sp=2 through train.py, then both exports.
+"""LoRA SFT from a Hugging Face folder at sp=2 through train.py (with the chunked loss), then both exports.
 
 The run learns (the loss of a fixed assistant answer falls), the base weights in its
 checkpoint are bit-identical to the folder's, every adapter's weight change has rank <= lora.rank,
