@@ -115,3 +115,66 @@ def test_lora_sft_from_hf_folder_learns_and_exports(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(merged(tokens).logits, expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(with_adapter(tokens).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def _save_lora_checkpoint(folder, out):
+    """A LoRA model at sp=2 on a Hugging Face folder's weights, random (nonzero) adapters, one checkpoint."""
+    import torch.distributed as dist
+
+    from titan_ulysses.checkpoint.hf import load_hf_weights
+    from titan_ulysses.checkpoint.hf_export import write_model_record
+    from titan_ulysses.checkpoint.lora_export import write_lora_record
+    from titan_ulysses.checkpoint.manager import CheckpointManager
+    from titan_ulysses.distributed.lora import init_state
+    from titan_ulysses.distributed.parallel_dims import ParallelDims
+    from titan_ulysses.distributed.utils import load_full_state_dict
+    from titan_ulysses.models.hf_config import load_hf_args
+    from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+
+    pd = ParallelDims(sp=2, world_size=dist.get_world_size())
+    pd.build_mesh("cpu")
+    args = load_hf_args(folder)
+    lora = LoRAOptions(rank=RANK, alpha=ALPHA)
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallelize_llama(model, pd, ParallelizeOptions(param_dtype=torch.float32, lora=lora))
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    load_hf_weights(model, folder)
+    g = torch.Generator().manual_seed(1)
+    adapters = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in init_state(model, 0).items()}
+    load_full_state_dict(model, adapters, strict=False)
+    opt = torch.optim.AdamW(model.parameters())
+    CheckpointManager(folder=out, model=model, optimizer=opt, lr_scheduler=opt, dataloader=opt, enable=True,
+                      interval=1, extras=lambda d: (write_model_record(d, args, folder),
+                                                    write_lora_record(d, lora, folder))).save(1)
+
+
+@pytest.mark.parametrize("variant", ["qwen3-tied-headdim"])  # q/k norms, its own head_dim, tied embeddings
+def test_lora_exports_of_other_families_give_the_trainers_logits(tmp_path, variant):
+    from dist_utils import run_distributed
+    from hf_fixtures import VARIANTS
+
+    model_type, overrides, _ = VARIANTS[variant]
+    folder = str(tmp_path / "base")
+    make_hf_model(folder, model_type, overrides)
+    run_distributed(_save_lora_checkpoint, 2, folder, str(tmp_path / "ckpt"))
+    step = str(tmp_path / "ckpt" / "step-1")
+    args = read_model_record(step)[0]
+    ours = Transformer(args)
+    apply_lora(ours, LoRAOptions(rank=RANK, alpha=ALPHA), torch.float32)
+    ours.load_state_dict(read_model_weights(step))
+    export = _export_script()
+    assert export(["--checkpoint", step, "--output", str(tmp_path / "merged"), "--dtype", "float32"]) == 0
+    assert export(["--checkpoint", step, "--output", str(tmp_path / "adapter"), "--adapter-only"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for m in (merged, base):
+        m.config._attn_implementation = "eager"
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours(tokens)
+        assert (expected - base(tokens).logits).abs().max() > 0.05  # the adapters matter
+        with_adapter = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+        torch.testing.assert_close(merged(tokens).logits, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(with_adapter(tokens).logits, expected, rtol=1e-4, atol=1e-4)
