@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from dist_utils import assert_close, run_distributed
 from model_harness import clean_name, full, make_batch, parallel_step, reference_step, small_args
+from titan_ulysses.checkpoint.lora_export import AdapterMismatchError
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.distributed.float8 import Float8Options, apply_float8, precompute_float8_scales
 from titan_ulysses.distributed.lora import LoRAOptions, apply_lora, init_lora, parameter_counts, resolve_targets
@@ -173,6 +174,19 @@ def _resume_at_another_layout(folder):
     resumed = _train(model, pd, opt, range(2, 4))
     assert first[0] != uninterrupted[-1]
     assert_close(torch.tensor(resumed), torch.tensor(uninterrupted), "losses after resume at dp_shard=2")
+    # resuming with other [lora] settings is refused in one line, and the checkpoint is not set aside
+    for lora in (None, LoRAOptions(rank=2, alpha=8.0)):
+        with torch.device("meta"):
+            other = Transformer(args)
+        parallelize_llama(other, pd, ParallelizeOptions(param_dtype=torch.float32, lora=lora))
+        other.to_empty(device="cpu")
+        opt = build_optimizer(other, "AdamW", LR, 0.1, 1e-8, (0.9, 0.999), "cpu")
+        ckpt = CheckpointManager(folder=os.path.join(folder, "sp2"), model=other, optimizer=opt, lr_scheduler=opt,
+                                 dataloader=opt, enable=True, interval=2)
+        rank = lora.rank if lora else 0
+        with pytest.raises(AdapterMismatchError, match=f"written with lora.rank 4, this run has lora.rank {rank} "):
+            ckpt.load()
+        assert os.path.isdir(os.path.join(folder, "sp2", "step-2"))
 
 
 def test_lora_resume_at_another_layout_is_exact(tmp_path):

@@ -134,3 +134,30 @@ def model_only_planner(model, path: str):
     if adapters and mine - saved == adapters:
         return DefaultLoadPlanner(allow_partial_load=True)  # only the adapters are missing: they keep their init
     return None
+
+
+class AdapterMismatchError(ValueError):
+    """A checkpoint's adapters differ from this run's [lora] settings: refused, never set aside as damaged."""
+
+
+def check_adapters(model, saved_metadata: dict, path: str) -> None:
+    """Refuse to resume ``path`` into ``model`` when their LoRA adapters differ (names or shapes),
+    in one line naming the settings; ``saved_metadata`` is the checkpoint's state_dict_metadata."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    saved = {k[len("model."):]: tuple(m.size) for k, m in saved_metadata.items()
+             if k.startswith("model.") and k.endswith((_A, _B))}
+    mine = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items() if k.endswith((_A, _B))}
+    if saved == mine:
+        return
+    def rank(adapters: dict) -> int:
+        return next((shape[0] for name, shape in adapters.items() if name.endswith(_A)), 0)
+
+    record = read_lora_record(path)
+    targets = f", lora.target_modules {','.join(record['target_modules'])}" if record and saved else ""
+    theirs, ours = f"lora.rank {rank(saved)}{targets}", f"lora.rank {rank(mine)}"
+    raise AdapterMismatchError(
+        f"checkpoint {path} was written with {theirs}, this run has {ours} (or other lora.target_modules): "
+        f"resume with the checkpoint's [lora] settings, or start a new run (another job.dump_folder) from it with "
+        f"checkpoint.initial_load_path (a base without adapters) or from its merged export (scripts/export_hf.py)"
+    )
