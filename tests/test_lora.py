@@ -207,7 +207,8 @@ def test_lora_resume_at_another_layout_is_exact(tmp_path):
      "lora.dropout 0.1 with model.mlp_tile_size 64: the tiled MLP recomputes"),
 ])
 def test_lora_settings_refused_before_any_process_group(argv, refusal):
-    from titan_ulysses.config.manager import ConfigError, load_config, validate
+    from titan_ulysses.config.manager import ConfigError, load_config
+    from titan_ulysses.preflight import validate
 
     with pytest.raises(ConfigError) as e:
         validate(load_config(argv), world_size=2)

@@ -43,6 +43,7 @@ def _export_script():
     return module.main
 
 
+@pytest.mark.slow
 def test_lora_sft_from_hf_folder_learns_and_exports(tmp_path):
     from safetensors.torch import load_file
 
