@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from titan_ulysses.checkpoint.hf import load_hf_weights
 from titan_ulysses.checkpoint.hf_export import write_model_record
+from titan_ulysses.checkpoint.lora_export import write_lora_record
 from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
 from titan_ulysses.checkpoint.manager import CheckpointManager, complete_steps
 from titan_ulysses.config.job_config import JobConfig
@@ -25,6 +26,7 @@ from titan_ulysses.data.sharding import shard_loader_batch
 from titan_ulysses.data.tokenizer import build_tokenizer
 from titan_ulysses.distributed.float8 import float8_options, precompute_float8_scales
 from titan_ulysses.distributed.heads import uneven_note
+from titan_ulysses.distributed.lora import init_lora, lora_options, parameter_counts
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, global_token_count, load_full_state_dict
 from titan_ulysses.distributed.watchdog import exit_with_launcher, set_timeouts
@@ -77,7 +79,7 @@ def init_distributed(fake_world_size: int = 0, timeout_seconds: float | None = N
     return device
 
 
-def init_weights(model: Transformer, args: LlamaArgs, device: torch.device, seed: int) -> None:
+def init_weights(model: Transformer, args: LlamaArgs, device: torch.device, seed: int, lora: bool = False) -> None:
     """Initialise the sharded model so that its weights do not depend on the layout.
 
     On CUDA, DTensor's offset-based RNG makes sharded init equal to unsharded init. On CPU
@@ -89,7 +91,7 @@ def init_weights(model: Transformer, args: LlamaArgs, device: torch.device, seed
         full = Transformer(args)
         torch.manual_seed(seed)
         full.init_weights()
-        load_full_state_dict(model, full.state_dict())
+        load_full_state_dict(model, full.state_dict(), strict=not lora)  # LoRA adapters: init_lora
     else:
         torch.manual_seed(seed)
         model.init_weights(buffer_device=device)
@@ -145,6 +147,7 @@ class Trainer:
             reduce_dtype=DTYPES[t.mixed_precision_reduce],
             cpu_offload=t.enable_cpu_offload,
             float8=float8_options(config),
+            lora=lora_options(config.lora),
         )
         self.float8 = options.float8
         self.model = parallelize_llama(model, pd, options)
@@ -156,7 +159,10 @@ class Trainer:
         if hf_start:
             self.model.init_buffers(self.device)  # every weight comes from the folder below
         else:
-            init_weights(self.model, self.args, self.device, t.seed)
+            init_weights(self.model, self.args, self.device, t.seed, lora=options.lora is not None)
+        if options.lora is not None:  # adapters start as peft's (B = 0); a checkpoint below replaces them
+            init_lora(self.model, t.seed)
+        self.trainable_params, self.total_params = parameter_counts(self.model)
 
         o = config.optimizer
         # with CPU offload the optimizer steps on host-resident shards
@@ -171,7 +177,8 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, enable=c.enable, interval=c.interval,
             async_mode=c.async_mode, keep_latest_k=c.keep_latest_k, settings=resume_settings(config),
             timeout_seconds=config.comm.init_timeout_seconds,
-            extras=lambda d: write_model_record(d, self.args, config.model.hf_assets_path),
+            extras=lambda d: (write_model_record(d, self.args, config.model.hf_assets_path),
+                              write_lora_record(d, options.lora, config.model.hf_assets_path or config.model.flavor)),
         )
         self.step = self.checkpointer.load() if c.enable else 0
         if hf_start:
@@ -188,7 +195,8 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         self.metrics = self._build_metrics_logger()
         self.data_wait = WaitTimer()
-        self.flops_per_token = flops_per_token(self.args, t.seq_len)
+        self.flops_per_token = flops_per_token(self.args, t.seq_len,
+                                               self.trainable_params if options.lora is not None else 0)
         self.peak_flops = peak_flops(self.device)
         # packed rows hold several documents: every backend masks per document (sdpa densely)
         self.use_doc_mask = self.data.packed
@@ -213,7 +221,10 @@ class Trainer:
                 attention += f" ({' > '.join(order)})" if order else " (PyTorch's kernel order)"
             print(
                 f"titan-ulysses: {self.args.num_params() / 1e6:.1f}M params, {source}, "
-                f"layout {pd.degrees}, global batch {self.global_batch_size} x {t.seq_len} tokens "
+                + (f"LoRA rank {options.lora.rank} on {','.join(options.lora.targets)}: "
+                   f"{self.trainable_params / 1e6:.3f}M trainable of {self.total_params / 1e6:.1f}M, "
+                   if options.lora is not None else "")
+                + f"layout {pd.degrees}, global batch {self.global_batch_size} x {t.seq_len} tokens "
                 f"({self.accumulation_steps} microbatch(es)), device {self.device.type}, attention {attention}, "
                 f"starting at step {self.step}"
                 + resumed
@@ -355,6 +366,7 @@ class Trainer:
                     self.metrics.log({
                         "step": self.step, **out, "lr": lr, "tokens_per_sec_per_device": tps,
                         "mfu": mfu, "max_memory_gib": max_memory_gib(self.device),
+                        "trainable_params": self.trainable_params, "params": self.total_params,
                         "a2a_gib_per_step": self.a2a_bytes / 2**30,
                         "a2a_model_sec": self.a2a_bytes / (self.config.comm.link_bandwidth_gbps * 1e9),
                         **({"cp_gib_per_step": self.cp_bytes / 2**30} if self.cp_bytes else {}),
