@@ -28,7 +28,7 @@ from titan_ulysses.config.manager import (
 from titan_ulysses.config.resume import resume_settings, settings_changes
 from titan_ulysses.data.build import build_data
 from titan_ulysses.data.sharding import shard_loader_batch
-from titan_ulysses.data.tokenizer import build_tokenizer
+from titan_ulysses.data.tokenizer import check_vocab, resolve_tokenizer
 from titan_ulysses.distributed.float8 import precompute_float8_scales
 from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.distributed.parallel_dims import ParallelDims
@@ -59,8 +59,7 @@ def model_args(config: JobConfig, vocab_size: int) -> LlamaArgs:
         args, source = load_hf_args(m.hf_assets_path, attn_backend=m.attn_backend), "model.hf_assets_path"
     else:
         args, source = get_flavor(m.flavor, attn_backend=m.attn_backend), f"model.flavor {m.flavor!r}"
-    if vocab_size > args.vocab_size:
-        raise ValueError(f"the tokenizer has {vocab_size} ids but {source} has vocab_size {args.vocab_size}")
+    check_vocab(vocab_size, args.vocab_size, source)
     overrides = {"loss_chunk_size": m.loss_chunk_size, "mlp_tile_size": m.mlp_tile_size,
                  "sdpa_backends": m.sdpa_backends}
     if m.rope_theta > 0:
@@ -148,7 +147,7 @@ class Trainer:
         dp_mesh = pd.get_mesh("dp")
         self.global_batch_size = resolved_global_batch_size(config, pd.size("dp"))
         self.accumulation_steps = self.global_batch_size // (t.local_batch_size * pd.size("dp"))
-        self.tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path or config.model.hf_assets_path)
+        self.tokenizer = resolve_tokenizer(config.model)
         self.data = build_data(config, self.tokenizer, dp_mesh.get_local_rank(), dp_mesh.size(),
                                self.global_batch_size, fake=self.fake)
         self.dataloader = self.data.dataloader
