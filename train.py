@@ -10,6 +10,7 @@ exits 1 whenever a worker fails.
 """
 
 import os
+import signal
 import sys
 import time
 import warnings
@@ -24,6 +25,15 @@ EXIT_REFUSED = 2
 RANK0_FIRST_S = 3.0
 
 
+class PreemptedAtStartup(BaseException):  # like KeyboardInterrupt: no `except Exception` swallows it
+    """SIGTERM/SIGUSR1 before the first step: nothing to save yet, so the rank stops and exits 0
+    (the training loop installs its own handler, which finishes the step and saves)."""
+
+
+def _preempted(signum, frame):
+    raise PreemptedAtStartup(signal.Signals(signum).name)
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         from titan_ulysses.config.help import format_help
@@ -33,11 +43,19 @@ def main(argv: list[str]) -> int:
 
     from titan_ulysses.checkpoint.lock import FolderInUseError
 
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, _preempted)
     try:
         config = load_config(argv)
         from titan_ulysses.trainer import Trainer
 
         trainer = Trainer(config)
+    except PreemptedAtStartup as e:
+        print(f"{e} during start-up, before the first step: nothing to save; exiting 0 (a rerun starts where the "
+              f"run's newest checkpoint is; a token store build resumes from its whole parts)", file=sys.stderr,
+              flush=True)
+        sys.stdout.flush()
+        os._exit(0)  # no teardown: peers may be inside a collective this rank will never join
     except (ConfigError, DataError, FolderInUseError) as e:
         if os.environ.get("RANK", "0") == "0":
             kind = "config error" if isinstance(e, ConfigError) else "data error" if isinstance(e, DataError) else "refused"

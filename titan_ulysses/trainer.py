@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ulysses.checkpoint.hf import load_hf_weights
+from titan_ulysses.checkpoint.folders import output_folder_problem
 from titan_ulysses.checkpoint.hf_export import write_model_record
 from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
 from titan_ulysses.checkpoint.manager import CheckpointManager, complete_steps
@@ -26,7 +27,7 @@ from titan_ulysses.config.manager import (
     validate,
 )
 from titan_ulysses.config.resume import resume_settings, settings_changes
-from titan_ulysses.data.build import build_data
+from titan_ulysses.data.build import build_data, check_dataset_files
 from titan_ulysses.data.sharding import shard_loader_batch
 from titan_ulysses.data.tokenizer import check_vocab, resolve_tokenizer
 from titan_ulysses.distributed.float8 import precompute_float8_scales
@@ -116,8 +117,12 @@ class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        check_dataset_files(config)  # before the layout: a layout error must not hide a missing file
         self.parallel_dims: ParallelDims = validate(config, world_size)  # before any process group work
         check_files(config)
+        problem = output_folder_problem("job.dump_folder", config.job.dump_folder)
+        if problem:
+            raise ConfigError(problem)
         self.fake = config.comm.mode == "fake"
         exit_with_launcher()
         self.device = init_distributed(config.comm.fake_world_size if self.fake else 0, config.comm.init_timeout_seconds)

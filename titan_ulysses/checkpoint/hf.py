@@ -43,10 +43,21 @@ def safetensors_shapes(folder: str) -> dict[str, tuple[int, ...]]:
         raise FileNotFoundError(f"{folder!r} has no *.safetensors weights")
     shapes = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+        except Exception as e:  # SafetensorError (a truncated or garbled file) subclasses Exception only
+            raise ValueError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e}; truncated "
+                             f"by an interrupted copy?); download or copy it again") from e
     return shapes
+
+
+def _extra_layers(found: dict, n_layers: int) -> list[str]:
+    """Tensors of layers past ``n_layers`` (config.json says fewer layers than the weights hold)."""
+    import re
+
+    return sorted(k for k in found if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m[1]) >= n_layers)
 
 
 def check_hf_weights(folder: str, args: LlamaArgs) -> None:
@@ -57,6 +68,11 @@ def check_hf_weights(folder: str, args: LlamaArgs) -> None:
     if missing:
         raise ValueError(f"{len(missing)} tensor(s) that config.json implies are not in the safetensors files, "
                          f"e.g. {missing[0]!r}")
+    extra = _extra_layers(found, args.n_layers)
+    if extra:
+        raise ValueError(f"the safetensors files hold {len(extra)} tensor(s) of layers past config.json's "
+                         f"num_hidden_layers {args.n_layers}, e.g. {extra[0]!r}: config.json does not describe "
+                         f"these weights; fix num_hidden_layers")
     for name, shape in expected.items():
         if found[name] != shape:
             raise ValueError(f"{name!r} has shape {list(found[name])} in the safetensors files but "

@@ -54,6 +54,16 @@ def node_group():
     return mine
 
 
+def check_dataset_files(config: JobConfig) -> None:
+    """The corpus files the settings name exist (a DataError naming the setting otherwise). Cheap:
+    run first, so a missing file is not hidden behind a layout error of the same launch."""
+    t, v = config.training, config.validation
+    if t.dataset != "passkey" and t.dataset_path:
+        list_files(t.dataset_path, "training.dataset_path")
+    if v.enable and (v.dataset or t.dataset) != "passkey" and v.dataset_path:
+        list_files(v.dataset_path, "validation.dataset_path")
+
+
 def open_store(kind: str, path: str, tokenizer, config: JobConfig, group=None, rank: int = 0, world: int = 1,
                processes: int = 0):
     """Tokenize ``path`` once (in parallel over the ranks of ``group``, or over ``processes``

@@ -257,17 +257,18 @@ def build_with_processes(items: list[WorkItem], encode, cache_dir: str, key: str
     dtype = token_dtype(vocab_size)
     if lock is None:
         return TokenStore(final)
-    built = False
+    state = "interrupted"
     try:
         _FORKED = (items, encode, parts_dir, dtype)
         with mp.get_context("fork").Pool(workers) as pool:
             errors = pool.map(_forked_worker, [(w, workers) for w in range(workers)])
         _FORKED = ()
+        state = "failed"
         _raise_first(errors)
         _raise_first([_merge(items, parts_dir, final, dtype, meta)])
-        built = True
+        state = "built"
     finally:
-        _finish_build(lock, built, parts_dir, final)
+        _finish_build(lock, state, parts_dir, final)
     return TokenStore(final)
 
 
@@ -302,13 +303,13 @@ def _merge(items, parts_dir: str, final: str, dtype, meta: dict) -> str | None:
     return None
 
 
-def _finish_build(lock: BuildLock, built: bool, parts_dir: str, final: str) -> None:
-    """Release the key; a failed build leaves no parts and no temporary folder behind."""
-    if not built:
+def _finish_build(lock: BuildLock, state: str, parts_dir: str, final: str) -> None:
+    """Release the key. A failed build (a bad row, a full disk) leaves no parts and no temporary
+    folder behind; an interrupted one (SIGTERM, Ctrl-C) keeps its whole parts for the next build."""
+    if state == "failed":
         shutil.rmtree(parts_dir, ignore_errors=True)
-        tmp = f"{final}.tmp-{socket.gethostname()}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-    lock.release(built=built)
+    shutil.rmtree(f"{final}.tmp-{socket.gethostname()}-{os.getpid()}", ignore_errors=True)
+    lock.release(built=state == "built")
 
 
 def build_or_open(items: list[WorkItem], encode, cache_dir: str, key: str, vocab_size: int, meta: dict,
@@ -338,7 +339,7 @@ def build_or_open(items: list[WorkItem], encode, cache_dir: str, key: str, vocab
         return TokenStore(final)
     dtype = token_dtype(vocab_size)
     parts_dir = _parts_dir(final, items)
-    built = False
+    state = "interrupted"
     progress = Progress(items, world, rank == 0)
     try:
         error = None
@@ -350,14 +351,15 @@ def build_or_open(items: list[WorkItem], encode, cache_dir: str, key: str, vocab
         except OSError as e:
             error = write_error(e, parts_dir, estimate_bytes(items, parts_dir))
         progress.close()
+        state = "failed"
         _raise_first(_gather(error, group) if world > 1 else [error])
         error = _merge(items, parts_dir, final, dtype, meta) if rank == 0 else None
         _raise_first(_gather(error, group) if world > 1 else [error])
-        built = True
+        state = "built"
     finally:
         progress.close()
         if rank == 0:
-            _finish_build(lock, built, parts_dir, final)
+            _finish_build(lock, state, parts_dir, final)
     if rank == 0:
         print(f"tokenized {len(items)} items in {time.perf_counter() - progress.start:.1f}s -> {final}", flush=True)
     return TokenStore(final)
