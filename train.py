@@ -15,14 +15,8 @@ import sys
 import time
 import warnings
 
-# torchdata's StatefulDataLoader calls a deprecated torch API on every construction
-warnings.filterwarnings("ignore", message=".*set_vital.*")
-
-from titan_ulysses.config.manager import ConfigError, load_config
-from titan_ulysses.data.sources import DataError
-
-EXIT_REFUSED = 2
-RANK0_FIRST_S = 3.0
+PREEMPTED_NOTE = ("during start-up, before the first step: nothing to save; exiting 0 (a rerun resumes from the "
+                  "run's newest checkpoint; a token store build resumes from its whole parts)")
 
 
 class PreemptedAtStartup(BaseException):  # like KeyboardInterrupt: no `except Exception` swallows it
@@ -34,6 +28,25 @@ def _preempted(signum, frame):
     raise PreemptedAtStartup(signal.Signals(signum).name)
 
 
+def _preempted_while_importing(signum, frame):
+    print(f"{signal.Signals(signum).name} {PREEMPTED_NOTE}", file=sys.stderr, flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":  # the imports below take seconds: a preemption then also exits 0
+    for _sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(_sig, _preempted_while_importing)
+
+# torchdata's StatefulDataLoader calls a deprecated torch API on every construction
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+from titan_ulysses.config.manager import ConfigError, load_config  # noqa: E402
+from titan_ulysses.data.sources import DataError  # noqa: E402
+
+EXIT_REFUSED = 2
+RANK0_FIRST_S = 3.0
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         from titan_ulysses.config.help import format_help
@@ -43,20 +56,19 @@ def main(argv: list[str]) -> int:
 
     from titan_ulysses.checkpoint.lock import FolderInUseError
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, _preempted)
+    previous = {sig: signal.signal(sig, _preempted) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         config = load_config(argv)
         from titan_ulysses.trainer import Trainer
 
         trainer = Trainer(config)
     except PreemptedAtStartup as e:
-        print(f"{e} during start-up, before the first step: nothing to save; exiting 0 (a rerun starts where the "
-              f"run's newest checkpoint is; a token store build resumes from its whole parts)", file=sys.stderr,
-              flush=True)
+        print(f"{e} {PREEMPTED_NOTE}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(0)  # no teardown: peers may be inside a collective this rank will never join
     except (ConfigError, DataError, FolderInUseError) as e:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if os.environ.get("RANK", "0") == "0":
             kind = "config error" if isinstance(e, ConfigError) else "data error" if isinstance(e, DataError) else "refused"
             print(f"{kind}: {e}", file=sys.stderr, flush=True)
