@@ -41,6 +41,16 @@ def stores(cache):
 
 # --- bug 4: one tokenizer resolution; the cache keyed on the tokenizer's content -------------
 
+def swap_two_token_ids(path):
+    """The same tokenizer.json but for two ordinary tokens' ids: same vocabulary size and specials."""
+    from tokenizers import Tokenizer
+
+    a, b = Tokenizer.from_file(str(path)).encode("The pass key").tokens[:2]  # tokens the corpus uses
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(data))
+
 def test_prepare_data_with_hf_assets_path_and_one_store_per_tokenizer_content(tmp_path, capsys):
     import prepare_data
 
@@ -56,9 +66,9 @@ def test_prepare_data_with_hf_assets_path_and_one_store_per_tokenizer_content(tm
     config = load_config([*common, "--model.tokenizer_path", str(hf / "tokenizer.json")])
     again = open_store("text", str(corpus), resolve_tokenizer(config.model), config)
     assert stores(cache) == [first] and os.path.basename(again.folder) == first
-    # another tokenizer.json at the same path (and same mtime): a new store with other ids
+    # another tokenizer.json at the same path (same size of vocabulary, same mtime): a new store with other ids
     stat = os.stat(hf / "tokenizer.json")
-    make_tokenizer(str(hf), vocab_size=300)
+    swap_two_token_ids(hf / "tokenizer.json")
     os.utime(hf / "tokenizer.json", ns=(stat.st_atime_ns, stat.st_mtime_ns))
     changed = open_store("text", str(corpus), resolve_tokenizer(config.model), config)
     assert os.path.basename(changed.folder) != first and len(stores(cache)) == 2
@@ -306,7 +316,7 @@ def test_tokenizer_spelling_is_not_a_data_change_but_its_content_is(tmp_path):
     next(iter(first.dataloader))
     state = first.dataloader.state_dict()
     data("--model.tokenizer_path", str(hf / "tokenizer.json")).dataloader.load_state_dict(state)
-    make_tokenizer(str(hf), vocab_size=300)
+    swap_two_token_ids(hf / "tokenizer.json")
     with pytest.raises(DataError, match=r"tokenizer_content 'hf-\w+"):
         data("--model.hf_assets_path", str(hf)).dataloader.load_state_dict(state)
 
