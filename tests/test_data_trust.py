@@ -76,7 +76,7 @@ def test_prepare_data_with_hf_assets_path_and_one_store_per_tokenizer_content(tm
     assert not litter(cache)
 
 
-def test_a_changed_chat_template_at_the_same_path_gives_a_new_store(tmp_path):
+def test_a_changed_chat_template_at_the_same_path_gives_a_new_store(tmp_path, capsys):
     corpus, template = tmp_path / "chat.jsonl", tmp_path / "t.jinja"
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
             for i in range(8)]
@@ -86,6 +86,7 @@ def test_a_changed_chat_template_at_the_same_path_gives_a_new_store(tmp_path):
     config = load_config(["--training.dataset", "sft", "--training.dataset_path", str(corpus),
                           "--training.chat_template", str(template)])
     first = open_store("sft", str(corpus), ByteTokenizer(), config)
+    assert "tokenizing (1 worker(s)): 100%" in capsys.readouterr().err  # rank 0's progress bar
     template.write_text(body.replace("</s>", "</turn>"))
     second = open_store("sft", str(corpus), ByteTokenizer(), config)
     assert second.folder != first.folder

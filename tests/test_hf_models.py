@@ -104,13 +104,17 @@ def test_adapter_round_trips_and_permutes_biases_and_norms(folders):
     assert torch.equal(halves_to_interleaved(interleaved_to_halves(w, 4), 4), w)
 
 
-def test_single_process_load_without_fsdp(folders):
-    """Plain tensors (no process group, no DTensor) take the same path."""
+def test_single_process_load_without_fsdp(folders, capsys):
+    """Plain tensors (no process group, no DTensor) take the same path; a progress bar counts the tensors."""
+    import re
+
     folder = folders["qwen3-tied-headdim"]
     ref = torch.load(os.path.join(os.path.dirname(folder), "qwen3-tied-headdim.ref.pt"))
     assert load_hf_args(folder).rope_theta == 2500.0  # the fixture's non-default base
     model = Transformer(load_hf_args(folder))
+    capsys.readouterr()
     load_hf_weights(model, folder)
+    assert re.search(r"loading .*qwen3-tied-headdim: 100%.* (\d+)/\1 ", capsys.readouterr().err)
     with torch.no_grad():
         assert_close(model(ref["inputs"]), ref["logits"], "qwen3 logits, one process")
 

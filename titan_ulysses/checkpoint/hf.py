@@ -91,7 +91,9 @@ def _to_our_layout(buf: torch.Tensor, heads: int) -> torch.Tensor:
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, folder: str, thread_count: int = 1) -> None:
     """Load the folder's weights into ``model`` (parallelized or not; ``model.args`` gives the family)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    import torch.distributed as dist
+
+    from titan_ulysses.checkpoint.hf_progress import ProgressReader
 
     names = name_map(model.args)
     state = get_model_state_dict(model)
@@ -103,7 +105,8 @@ def load_hf_weights(model: nn.Module, folder: str, thread_count: int = 1) -> Non
             hf_state[theirs] = permuted[ours][0]
         else:
             hf_state[theirs] = tensor
-    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(folder, thread_count=thread_count))
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    dcp.load(hf_state, storage_reader=ProgressReader(folder, thread_count=thread_count, enabled=rank0))
     for ours, (buf, heads) in permuted.items():
         state[ours] = _to_our_layout(buf, heads)
     set_model_state_dict(model, state, options=StateDictOptions(strict=True))
