@@ -167,6 +167,23 @@ def test_a_jinja_template_gets_the_tokenizers_eos_token(tmp_path):
     assert np.asarray(store.mask)[-1] == 1
 
 
+def test_the_template_beside_hf_assets_path_is_used_not_chatml(tmp_path):
+    """With only model.hf_assets_path set, chat_template.jinja in that folder is the template
+    (it was looked up beside model.tokenizer_path only, and ChatML silently took its place)."""
+    hf, corpus = tmp_path / "hf", tmp_path / "chat.jsonl"
+    make_tokenizer(str(hf))
+    (hf / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
+                                            "{{ eos_token }}{% endfor %}")
+    corpus.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                               {"role": "assistant", "content": "yo"}]}) + "\n")
+    config = load_config(["--training.dataset", "sft", "--training.dataset_path", str(corpus),
+                          "--model.tokenizer", "hf", "--model.hf_assets_path", str(hf)])
+    tokenizer = resolve_tokenizer(config.model)
+    store = open_store("sft", str(corpus), tokenizer, config)
+    text = tokenizer.decode(np.asarray(store.tokens).tolist())
+    assert text.startswith("[user] hi") and "<|im_start|>" not in text
+
+
 def test_truncation_that_leaves_no_loss_token_is_a_data_error(tmp_path):
     corpus = tmp_path / "d.jsonl"
     corpus.write_text(json.dumps({"prompt": "a long question " * 4, "completion": " ok"}) + "\n"

@@ -35,6 +35,14 @@ class BuildLock:
             if say is not None:
                 say(f"waiting for another process building the token store {self.final}")
             fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            import sys
+
+            print(f"warning: the file system of {self.path} has no file locks ({e.strerror}): builds of this token "
+                  f"store by several jobs at once are not coordinated; start one job (or prepare_data.py) first",
+                  file=sys.stderr, flush=True)
         return self
 
     def release(self, built: bool) -> None:
