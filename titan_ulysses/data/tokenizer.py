@@ -129,13 +129,6 @@ def resolve_tokenizer(model):
         raise TokenizerError(message if message.startswith(setting) else f"{setting} {path!r}: {message}") from e
 
 
-def check_vocab(tokenizer_ids: int, vocab_size: int, source: str) -> None:
-    """Refuse a tokenizer whose ids do not all fit the model's embedding."""
-    if tokenizer_ids > vocab_size:
-        raise TokenizerError(f"the tokenizer has {tokenizer_ids} ids but {source} has vocab_size {vocab_size}: "
-                             f"ids past it have no embedding row; use the model's own tokenizer")
-
-
 def build_tokenizer(kind: str, path: str = ""):
     if kind == "byte":
         return ByteTokenizer()
