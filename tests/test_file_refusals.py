@@ -80,3 +80,23 @@ def test_a_missing_corpus_is_reported_before_a_layout_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"data error: training.dataset_path {missing!r} does not exist (a .txt/.jsonl/.parquet file "
                    f"or a folder of them)"], err
+
+
+def test_a_broken_tokenizer_json_is_refused_before_any_process_group(tmp_path, capsys):
+    from hf_fixtures import make_tokenizer
+
+    hf = tmp_path / "hf"
+    make_tokenizer(str(hf))
+    text = (hf / "tokenizer.json").read_text()
+    (hf / "tokenizer.json").write_text(text[: len(text) // 3])
+    sys.path.insert(0, ROOT)
+    import torch.distributed as dist
+
+    import train
+
+    assert train.main(["--model.tokenizer", "hf", "--model.tokenizer_path", str(hf), "--model.flavor", "debugmodel",
+                       "--parallelism.ulysses_degree", "1", "--job.dump_folder", str(tmp_path / "run")]) == 2
+    assert not dist.is_initialized()  # refused by the pre-flight, not after the process group
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: model.tokenizer_path") and \
+        "is not a valid tokenizer.json" in err[0], err

@@ -144,6 +144,9 @@ def check_files(config: JobConfig) -> None:
             hf_tokenizer_file(m.tokenizer_path or m.hf_assets_path)
         except FileNotFoundError as e:
             raise ConfigError(f"model.{'tokenizer_path' if m.tokenizer_path else 'hf_assets_path'}: {e}") from e
+    # the file read whole (a broken tokenizer.json, no EOS, a garbage tiktoken file) and its ids
+    # against the model's vocabulary, before any process group (issue 20)
+    model_args(config, load_tokenizer(config).vocab_size)
     if c.initial_load_in_hf:
         try:
             check_hf_weights(m.hf_assets_path, args)
