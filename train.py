@@ -14,15 +14,38 @@ exits 1 whenever a worker fails.
 """
 
 import os
+import signal
 import sys
 import time
 import warnings
 
+PREEMPTED_NOTE = ("during start-up, before the first step: nothing to save; exiting 0 (a rerun resumes from the "
+                  "run's newest checkpoint; a token store build resumes from its whole parts)")
+
+
+class PreemptedAtStartup(BaseException):  # like KeyboardInterrupt: no `except Exception` swallows it
+    """SIGTERM/SIGUSR1 before the first step: nothing to save yet, so the rank stops and exits 0
+    (the training loop installs its own handler, which finishes the step and saves)."""
+
+
+def _preempted(signum, frame):
+    raise PreemptedAtStartup(signal.Signals(signum).name)
+
+
+def _preempted_while_importing(signum, frame):
+    print(f"{signal.Signals(signum).name} {PREEMPTED_NOTE}", file=sys.stderr, flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":  # the imports below take seconds: a preemption then also exits 0
+    for _sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(_sig, _preempted_while_importing)
+
 # torchdata's StatefulDataLoader calls a deprecated torch API on every construction
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
-from titan_ulysses.config.manager import ConfigError, load_config
-from titan_ulysses.data.sources import DataError
+from titan_ulysses.config.manager import ConfigError, load_config  # noqa: E402
+from titan_ulysses.data.sources import DataError  # noqa: E402
 
 EXIT_REFUSED = 2
 RANK0_FIRST_S = 3.0
@@ -68,6 +91,7 @@ def main(argv: list[str]) -> int:
     from titan_ulysses.checkpoint.lock import FolderInUseError
     from titan_ulysses.checkpoint.lora_export import AdapterMismatchError
 
+    previous = {sig: signal.signal(sig, _preempted) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         argv, dry = dry_run_options(argv)
         config = load_config(argv)
@@ -75,11 +99,19 @@ def main(argv: list[str]) -> int:
             from titan_ulysses.preflight import plan
 
             print(plan(config, dry["world_size"], dry["device_gib"]), flush=True)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             return 0
         from titan_ulysses.trainer import Trainer
 
         trainer = Trainer(config)
+    except PreemptedAtStartup as e:
+        print(f"{e} {PREEMPTED_NOTE}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)  # no teardown: peers may be inside a collective this rank will never join
     except (ConfigError, DataError, FolderInUseError, AdapterMismatchError) as e:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if os.environ.get("RANK", "0") == "0":
             kind = "config error" if isinstance(e, ConfigError) else "data error" if isinstance(e, DataError) else "refused"
             print(f"{kind}: {e}", file=sys.stderr, flush=True)

@@ -32,7 +32,7 @@ from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.datasets import make_passkey_tokens, random_passkey
 from titan_ulysses.data.sharding import shard_batch
-from titan_ulysses.data.tokenizer import build_tokenizer
+from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
 from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
 from titan_ulysses.models.resolve import model_args
@@ -146,7 +146,10 @@ def main(argv=None) -> int:
         pd = validate(config, world)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from e
-    tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path or config.model.hf_assets_path)
+    try:
+        tokenizer = resolve_tokenizer(config.model)
+    except TokenizerError as e:
+        raise SystemExit(f"data error: {e}") from e
     digits = config.training.passkey_digits
     for length in a.lengths:  # refuse a too-short length before any process group
         try:

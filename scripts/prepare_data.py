@@ -3,7 +3,7 @@
     python scripts/prepare_data.py --config train_configs/X.toml [--section.key value ...] [--workers N]
 
 Reads the same settings as training (``training.dataset``, ``dataset_path``,
-``dataset_cache_dir``, ``model.tokenizer`` / ``tokenizer_path``, ``training.chat_template``;
+``dataset_cache_dir``, ``model.tokenizer`` / ``tokenizer_path`` / ``hf_assets_path``, ``training.chat_template``;
 with ``validation.enable`` also the held-out set) and builds exactly the store a run with
 those settings would build, so the run then starts at once. Prints the throughput.
 A store that already exists is reported, not rebuilt.
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from titan_ulysses.config.manager import ConfigError, load_config  # noqa: E402
 from titan_ulysses.data.build import open_store  # noqa: E402
 from titan_ulysses.data.sources import DataError, list_files  # noqa: E402
-from titan_ulysses.data.tokenizer import build_tokenizer  # noqa: E402
+from titan_ulysses.data.tokenizer import resolve_tokenizer  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
         argv = argv[:i] + argv[i + 2:]
     try:
         config = load_config(argv)
-        tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path)
+        tokenizer = resolve_tokenizer(config.model)
         t, v = config.training, config.validation
         jobs = [(t.dataset, t.dataset_path)]
         if v.enable and (v.dataset or t.dataset) != "passkey":

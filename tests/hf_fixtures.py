@@ -16,7 +16,8 @@ VARIANTS = {
     # name: (model_type, config overrides, save_pretrained max_shard_size or None for one file)
     "llama-untied-llama3rope": ("llama", dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0), None),
     "llama-tied-sharded": ("llama", dict(tie_word_embeddings=True, rope_theta=10000.0), "40KB"),
-    "qwen3-tied-headdim": ("qwen3", dict(head_dim=16, tie_word_embeddings=True), "40KB"),
+    # rope_theta neither transformers' default (10000) nor ours: a loader that drops it fails the logits
+    "qwen3-tied-headdim": ("qwen3", dict(head_dim=16, tie_word_embeddings=True, rope_theta=2500.0), "40KB"),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=False), None),
 }
 

@@ -32,11 +32,28 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def build_pair(args, parallel_dims: ParallelDims, options: ParallelizeOptions):
-    """The reference model and a parallelized copy with identical weights."""
+@torch.no_grad()
+def trained_like(model: Transformer, seed: int = 0) -> None:
+    """Weights far from the init, as training leaves them (like hf_fixtures.randomize): sharp
+    attention (q/k 0.3), non-unit norms, larger projections, so that a mask leak or a
+    permutation moves the loss far above the tolerance (at init a leak is ~7e-6)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+        elif ".wq." in name or ".wk." in name:
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def build_pair(args, parallel_dims: ParallelDims, options: ParallelizeOptions, trained: bool = False):
+    """The reference model and a parallelized copy with identical weights (``trained``: trained_like)."""
     torch.manual_seed(0)
     ref = Transformer(args)
     ref.init_weights()
+    if trained:
+        trained_like(ref)
     with torch.device("meta"):
         model = Transformer(args)
     parallelize_llama(model, parallel_dims, options)

@@ -44,9 +44,9 @@ DAMAGES = {  # name -> (damage(step folder) -> the file the warning must name)
     "truncated_shard": lambda d: (_truncate(_shard(d)), os.path.basename(_shard(d)))[1],
     "flipped_shard": lambda d: (_flip(_shard(d)), os.path.basename(_shard(d)))[1],
     "missing_metadata": lambda d: (os.remove(os.path.join(d, ".metadata")), "no .metadata")[1],
-    # a checkpoint from before manifests: loaded unverified, so DCP's own failure is what is caught
-    "unverified_truncated_metadata": lambda d: (os.remove(os.path.join(d, "manifest.json")),
-                                                _truncate(os.path.join(d, ".metadata")), "loading failed")[2],
+    # a deleted manifest: the step cannot be verified, so a flipped shard would load silently; refused
+    "deleted_manifest_flipped_shard": lambda d: (os.remove(os.path.join(d, "manifest.json")), _flip(_shard(d)),
+                                                 "has no manifest.json, so it cannot be verified")[2],
 }
 
 

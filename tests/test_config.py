@@ -49,6 +49,12 @@ def test_bad_toml_types(tmp_path):
     path.write_text('[training]\nsteps = "many"\n')
     with pytest.raises(ConfigError, match="training.steps expects int, got 'many'"):
         load_config(["--config", str(path)])
+    for toml, key in (('steps = "10"', "training.steps"), ('max_norm = "1.0"', "training.max_norm"),
+                      ('deterministic = "true"', "training.deterministic")):
+        path.write_text(f'[training]\n{toml}\n')  # a quoted number is a string in TOML: refused with the key
+        with pytest.raises(ConfigError, match=rf"{key} expects \w+( \(true or false\))?, got '.*' \(a string in .*x.toml: write "):
+            load_config(["--config", str(path)])
+    assert load_config(["--training.steps", "10"]).training.steps == 10  # the command line is text: converted
     path.write_text('[trainig]\nsteps = 3\n')
     with pytest.raises(ConfigError, match="did you mean 'training.steps'"):
         load_config(["--config", str(path)])
@@ -83,8 +89,12 @@ def test_bad_toml_types(tmp_path):
     (["--lr_scheduler.decay_ratio", "1.5"], 1, r"lr_scheduler.decay_ratio must lie in \[0, 1\], got 1.5"),
     (["--training.max_norm", "-1"], 1, r"training.max_norm must be >= 0, got -1.0"),
     (["--training.skip_nonfinite_steps", "-1"], 1, r"training.skip_nonfinite_steps must be >= 0, got -1"),
-    (["--comm.train_timeout_seconds", "0"], 1, r"comm.train_timeout_seconds must be positive, got 0"),
-    (["--comm.init_timeout_seconds", "-3"], 1, r"comm.init_timeout_seconds must be positive, got -3"),
+    (["--comm.train_timeout_seconds", "0"], 1, r"comm.train_timeout_seconds must lie in \(0, 2592000\], got 0"),
+    (["--comm.init_timeout_seconds", "-3"], 1, r"comm.init_timeout_seconds must lie in \(0, 2592000\], got -3"),
+    # issue 20: 1e20 overflowed timedelta, 1e10 wrapped into a false timeout, lr 1e40 overflowed AdamW
+    (["--comm.init_timeout_seconds", str(10**20)], 1, r"comm.init_timeout_seconds must lie in \(0, 2592000\]"),
+    (["--comm.train_timeout_seconds", str(10**10)], 1, r"comm.train_timeout_seconds must lie in \(0, 2592000\]"),
+    (["--optimizer.lr", "1e40"], 1, r"optimizer.lr must lie in \(0, 1.0\], got 1e\+40"),
     (["--model.rope_theta", "inf"], 1, r"model.rope_theta must be a finite number, got inf"),
     (["--training.seed", "-1"], 1, r"training.seed must lie in \[0, 9223372036854775807\], got -1"),
 ])

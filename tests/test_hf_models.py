@@ -104,14 +104,34 @@ def test_adapter_round_trips_and_permutes_biases_and_norms(folders):
     assert torch.equal(halves_to_interleaved(interleaved_to_halves(w, 4), 4), w)
 
 
-def test_single_process_load_without_fsdp(folders):
-    """Plain tensors (no process group, no DTensor) take the same path."""
+def test_single_process_load_without_fsdp(folders, capsys):
+    """Plain tensors (no process group, no DTensor) take the same path; a progress bar counts the tensors."""
+    import re
+
     folder = folders["qwen3-tied-headdim"]
     ref = torch.load(os.path.join(os.path.dirname(folder), "qwen3-tied-headdim.ref.pt"))
+    assert load_hf_args(folder).rope_theta == 2500.0  # the fixture's non-default base
     model = Transformer(load_hf_args(folder))
+    capsys.readouterr()
     load_hf_weights(model, folder)
+    assert re.search(r"loading .*qwen3-tied-headdim: 100%.* (\d+)/\1 ", capsys.readouterr().err)
     with torch.no_grad():
         assert_close(model(ref["inputs"]), ref["logits"], "qwen3 logits, one process")
+
+
+def test_qwen3_head_dim_defaults_to_128_without_head_dim_in_config_json(tmp_path):
+    """transformers' Qwen3Config defaults head_dim to 128, not hidden_size / heads (64 / 8 = 8 here)."""
+    import json
+
+    import transformers
+
+    from hf_fixtures import BASE
+
+    cfg = transformers.Qwen3Config(**BASE).to_dict()
+    del cfg["head_dim"]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    assert load_hf_args(str(tmp_path)).head_dim == transformers.Qwen3Config(**cfg).head_dim == 128
 
 
 @pytest.mark.parametrize("name", ["qwen3-tied-headdim", "qwen2-bias"])

@@ -49,7 +49,8 @@ def packed_batch(path, rows=4):
 def _compare(path, layout):
     pd = ParallelDims(**layout, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
-    ref, model = build_pair(small_args(), pd, ParallelizeOptions(param_dtype=torch.float32))
+    # trained-like weights: a document-mask leak moves the loss far above the tolerance (at init: 7e-6)
+    ref, model = build_pair(small_args(), pd, ParallelizeOptions(param_dtype=torch.float32), trained=True)
     batch = packed_batch(path)
     assert not all(torch.equal(batch["positions"][0], row) for row in batch["positions"][1:])
     n_tokens = (batch["labels"] != IGNORE_INDEX).sum()

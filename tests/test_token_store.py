@@ -113,10 +113,12 @@ def test_a_killed_build_leaves_no_store_and_the_next_build_is_whole(tmp_path, mo
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     cache = corpus / ".titan_cache"
     leftovers = os.listdir(cache)
-    assert leftovers and all(".parts-" in d for d in leftovers)  # whole parts only, no store
+    assert any(".parts-" in d for d in leftovers)  # whole parts (and the key's lock file), no store
+    assert all(".parts-" in d or d.endswith(".lock") for d in leftovers)
     assert not any(os.path.exists(cache / d / "meta.json") for d in leftovers)
     monkeypatch.setattr(sources, "JSONL_CHUNK_BYTES", 200)  # the same cut: the killed build's parts are reused
     resumed = open_store("text", str(corpus), ByteTokenizer(), config_for(corpus))
+    assert os.listdir(cache) == [os.path.basename(resumed.folder)]  # parts merged and removed, lock gone
     monkeypatch.setattr(sources, "JSONL_CHUNK_BYTES", 10**6)
     fresh = open_store("text", str(corpus), ByteTokenizer(),
                        config_for(corpus, "--training.dataset_cache_dir", str(tmp_path / "fresh")))

@@ -98,3 +98,45 @@ def test_validation_at_sp2_equals_one_process_and_does_not_change_training(tmp_p
         assert sp2_train[step] == off_train[step]  # validation leaves training untouched
     # the save right after the step-2 evaluation is complete
     assert os.path.isfile(tmp_path / "sp2" / "checkpoint" / "step-2" / ".metadata")
+
+
+def _validation_is_per_token(path, held_out):
+    from model_harness import trained_like
+    from titan_ulysses.distributed.utils import load_full_state_dict
+    from titan_ulysses.ops.attention import build_attention_mask
+
+    argv = sft_args(path) + ["--parallelism.ulysses_degree", "2", "--training.local_batch_size", "2",
+                             "--training.global_batch_size", "2", "--training.steps", "1",
+                             "--validation.enable", "true", "--validation.dataset_path", held_out,
+                             "--validation.steps", "3"]
+    trainer = Trainer_(load_config(argv))
+    ref = Transformer(trainer.args)
+    trained_like(ref)  # far from init: per-batch losses differ, so the two averages differ clearly
+    load_full_state_dict(trainer.model, ref.state_dict())
+    sums, counts = [], []
+    with torch.no_grad():  # a plain forward on the same three batches
+        for _, batch in zip(range(3), trainer.data.validation_loader()):
+            mask = build_attention_mask("sdpa", batch["document_ids"])
+            sums.append(float(ref(batch["input"], positions=batch["positions"], attention_mask=mask,
+                                  labels=batch["labels"])))
+            counts.append(int((batch["labels"] != IGNORE_INDEX).sum()))
+    assert len(set(counts)) > 1, f"batch token counts should differ: {counts}"
+    per_token = sum(sums) / sum(counts)
+    per_batch = sum(s / c for s, c in zip(sums, counts)) / len(counts)
+    assert abs(per_batch - per_token) > 1e-3 * per_token  # the test can tell them apart
+    out = trainer.validator.run()
+    assert out["validation_tokens"] == sum(counts)
+    assert out["validation_loss"] == pytest.approx(per_token, rel=1e-5), (out, per_token, per_batch)
+
+
+def Trainer_(config):
+    from titan_ulysses.trainer import Trainer
+
+    return Trainer(config)
+
+
+def test_validation_loss_is_per_token_over_batches_of_unequal_token_counts(tmp_path):
+    path, held_out = str(tmp_path / "sft.jsonl"), str(tmp_path / "val.jsonl")
+    write_sft(path)
+    write_sft(held_out, n=16, seed=1)
+    run_distributed(_validation_is_per_token, 2, path, held_out)

@@ -42,7 +42,7 @@ from titan_ulysses.data.datasets import PasskeyDataset
 from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.data.sharding import check_seq_len
 from titan_ulysses.data.sources import DataError, list_files, read_rows, work_items
-from titan_ulysses.data.tokenizer import build_tokenizer
+from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
 from titan_ulysses.distributed.float8 import check_float8, float8_options
 from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.distributed.parallel_dims import ParallelDims
@@ -144,6 +144,9 @@ def check_files(config: JobConfig) -> None:
             hf_tokenizer_file(m.tokenizer_path or m.hf_assets_path)
         except FileNotFoundError as e:
             raise ConfigError(f"model.{'tokenizer_path' if m.tokenizer_path else 'hf_assets_path'}: {e}") from e
+    # the file read whole (a broken tokenizer.json, no EOS, a garbage tiktoken file) and its ids
+    # against the model's vocabulary, before any process group (issue 20)
+    model_args(config, load_tokenizer(config).vocab_size)
     if c.initial_load_in_hf:
         try:
             check_hf_weights(m.hf_assets_path, args)
@@ -177,11 +180,10 @@ def device_memory(gib: float | None) -> tuple[float, str]:
 
 def load_tokenizer(config: JobConfig):
     """The run's tokenizer, as the trainer builds it; a file it cannot read is a ConfigError."""
-    m = config.model
     try:
-        return build_tokenizer(m.tokenizer, m.tokenizer_path or m.hf_assets_path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.tokenizer {m.tokenizer!r}: {e}") from e
+        return resolve_tokenizer(config.model)
+    except TokenizerError as e:
+        raise ConfigError(str(e)) from e
 
 
 def plan(config: JobConfig, world_size: int, device_gib: float | None = None) -> str:
@@ -263,8 +265,7 @@ def _encoder(config: JobConfig, tokenizer, kind: str):
     if kind == "sft":
         from titan_ulysses.data.chat import load_chat_template
 
-        return SFTEncoder(tokenizer, load_chat_template(config.training.chat_template, tokenizer,
-                                                        config.model.tokenizer_path))
+        return SFTEncoder(tokenizer, load_chat_template(config.training.chat_template, tokenizer))
     return TextEncoder(tokenizer)
 
 

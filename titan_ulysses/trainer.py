@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ulysses.checkpoint.hf import load_hf_weights
+from titan_ulysses.checkpoint.folders import output_folder_problem
 from titan_ulysses.checkpoint.hf_export import write_model_record
 from titan_ulysses.checkpoint.lora_export import write_lora_record
 from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
@@ -21,9 +22,9 @@ from titan_ulysses.checkpoint.manager import CheckpointManager, complete_steps
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError, resolved_global_batch_size
 from titan_ulysses.config.resume import resume_settings, settings_changes
-from titan_ulysses.data.build import build_data
+from titan_ulysses.data.build import build_data, check_dataset_files
 from titan_ulysses.data.sharding import shard_loader_batch
-from titan_ulysses.data.tokenizer import build_tokenizer
+from titan_ulysses.data.tokenizer import resolve_tokenizer
 from titan_ulysses.distributed.float8 import float8_options, precompute_float8_scales
 from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.distributed.lora import init_lora, lora_options, parameter_counts
@@ -101,8 +102,12 @@ class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        check_dataset_files(config)  # before the layout: a layout error must not hide a missing file
         self.parallel_dims: ParallelDims = validate(config, world_size)  # before any process group work
         check_files(config)
+        problem = output_folder_problem("job.dump_folder", config.job.dump_folder)
+        if problem:
+            raise ConfigError(problem)
         self.fake = config.comm.mode == "fake"
         exit_with_launcher()
         self.device = init_distributed(config.comm.fake_world_size if self.fake else 0, config.comm.init_timeout_seconds)
@@ -132,7 +137,7 @@ class Trainer:
         dp_mesh = pd.get_mesh("dp")
         self.global_batch_size = resolved_global_batch_size(config, pd.size("dp"))
         self.accumulation_steps = self.global_batch_size // (t.local_batch_size * pd.size("dp"))
-        self.tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path or config.model.hf_assets_path)
+        self.tokenizer = resolve_tokenizer(config.model)
         self.data = build_data(config, self.tokenizer, dp_mesh.get_local_rank(), dp_mesh.size(),
                                self.global_batch_size, fake=self.fake)
         self.dataloader = self.data.dataloader

@@ -43,10 +43,21 @@ def safetensors_shapes(folder: str) -> dict[str, tuple[int, ...]]:
         raise FileNotFoundError(f"{folder!r} has no *.safetensors weights")
     shapes = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+        except Exception as e:  # SafetensorError (a truncated or garbled file) subclasses Exception only
+            raise ValueError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e}; truncated "
+                             f"by an interrupted copy?); download or copy it again") from e
     return shapes
+
+
+def _extra_layers(found: dict, n_layers: int) -> list[str]:
+    """Tensors of layers past ``n_layers`` (config.json says fewer layers than the weights hold)."""
+    import re
+
+    return sorted(k for k in found if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m[1]) >= n_layers)
 
 
 def check_hf_weights(folder: str, args: LlamaArgs) -> None:
@@ -57,6 +68,11 @@ def check_hf_weights(folder: str, args: LlamaArgs) -> None:
     if missing:
         raise ValueError(f"{len(missing)} tensor(s) that config.json implies are not in the safetensors files, "
                          f"e.g. {missing[0]!r}")
+    extra = _extra_layers(found, args.n_layers)
+    if extra:
+        raise ValueError(f"the safetensors files hold {len(extra)} tensor(s) of layers past config.json's "
+                         f"num_hidden_layers {args.n_layers}, e.g. {extra[0]!r}: config.json does not describe "
+                         f"these weights; fix num_hidden_layers")
     for name, shape in expected.items():
         if found[name] != shape:
             raise ValueError(f"{name!r} has shape {list(found[name])} in the safetensors files but "
@@ -75,7 +91,9 @@ def _to_our_layout(buf: torch.Tensor, heads: int) -> torch.Tensor:
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, folder: str, thread_count: int = 1) -> None:
     """Load the folder's weights into ``model`` (parallelized or not; ``model.args`` gives the family)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    import torch.distributed as dist
+
+    from titan_ulysses.checkpoint.hf_progress import ProgressReader
 
     names = name_map(model.args)
     everything = get_model_state_dict(model)
@@ -88,7 +106,8 @@ def load_hf_weights(model: nn.Module, folder: str, thread_count: int = 1) -> Non
             hf_state[theirs] = permuted[ours][0]
         else:
             hf_state[theirs] = tensor
-    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(folder, thread_count=thread_count))
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    dcp.load(hf_state, storage_reader=ProgressReader(folder, thread_count=thread_count, enabled=rank0))
     for ours, (buf, heads) in permuted.items():
         state[ours] = _to_our_layout(buf, heads)
     # LoRA adapters are not in the folder: they keep their values (init_lora or a checkpoint)

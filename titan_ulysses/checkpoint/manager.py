@@ -307,9 +307,9 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 files = manifest.read_manifest(path)
-                if files is None:
-                    _warn(f"{path} has no {manifest.MANIFEST} (written before checkpoints were verified): "
-                          f"loading it unverified")
+                if files is None:  # every commit writes one: a step without it cannot be trusted (issue 20)
+                    first = (f"{path} has no {manifest.MANIFEST}, so it cannot be verified (DCP would load changed "
+                             f"bytes silently); every checkpoint is committed with one")
                 else:
                     first = manifest.check_sizes(path, files)
             except ValueError as e:

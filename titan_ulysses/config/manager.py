@@ -35,9 +35,10 @@ def _unknown(key: str, config: JobConfig) -> ConfigError:
     return ConfigError(f"unknown key '{key}'{hint}")
 
 
-def _convert(key: str, value, kind: type):
-    """``value`` (a TOML value or a command-line string) as ``kind``, or a ConfigError."""
-    from_cli = isinstance(value, str) and kind is not str
+def _convert(key: str, value, kind: type, from_cli: bool = False, where: str = ""):
+    """``value`` as ``kind``, or a ConfigError. Command-line values are strings and are converted;
+    a TOML file has types of its own, so a quoted number there (``steps = "10"``) is refused."""
+    from_cli = from_cli and isinstance(value, str) and kind is not str
     try:
         if kind is bool:
             if isinstance(value, bool):
@@ -58,10 +59,13 @@ def _convert(key: str, value, kind: type):
             return value
     except ValueError:
         pass
-    raise ConfigError(f"{key} expects {kind.__name__}{' (true or false)' if kind is bool else ''}, got {value!r}")
+    hint = ""
+    if isinstance(value, str) and kind is not str and where:
+        hint = f" (a string in {where}: write {key.split('.', 1)[1]} = {value} without quotes)"
+    raise ConfigError(f"{key} expects {kind.__name__}{' (true or false)' if kind is bool else ''}, got {value!r}{hint}")
 
 
-def _set(config: JobConfig, key: str, value) -> None:
+def _set(config: JobConfig, key: str, value, from_cli: bool = False, where: str = "") -> None:
     section, _, name = key.partition(".")
     if section not in _fields(config) or not name:
         raise _unknown(key, config)
@@ -69,7 +73,7 @@ def _set(config: JobConfig, key: str, value) -> None:
     kinds = _fields(obj)
     if name not in kinds:
         raise _unknown(key, config)
-    value = _convert(key, value, kinds[name])
+    value = _convert(key, value, kinds[name], from_cli, where)
     if key in CHOICES and value not in CHOICES[key]:
         raise ConfigError(f"{key} {value!r} is not one of {list(CHOICES[key])}")
     setattr(obj, name, value)
@@ -105,9 +109,9 @@ def load_config(argv: list[str]) -> JobConfig:
             if not isinstance(values, dict):
                 raise _unknown(section, config)
             for name, value in values.items():
-                _set(config, f"{section}.{name}", value)
+                _set(config, f"{section}.{name}", value, where=path)
     for key, value in pairs:  # the command line wins over the file
-        _set(config, key, value)
+        _set(config, key, value, from_cli=True)
     return config
 
 

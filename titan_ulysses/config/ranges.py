@@ -11,6 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+# AdamW moves every weight by about lr per step: above 1 no model survives a step, and near
+# float32's 3.4e38 the update itself overflows.
+LR_MAX = 1.0
+# A collective timeout beyond 30 days is a typo; far beyond it the timedelta overflows (1e20 s)
+# or the backend's millisecond count wraps and fires at once (1e10 s).
+TIMEOUT_MAX_S = 30 * 24 * 3600
+
 # key: (low, high, low_inclusive, high_inclusive); None = unbounded on that side.
 # The parallelism degrees are checked by ParallelDims (with the world size they need).
 RANGES: dict[str, tuple] = {
@@ -25,7 +32,7 @@ RANGES: dict[str, tuple] = {
     "training.seed": (0, 2**63 - 1, True, True),
     "training.max_norm": (0, None, True, False),  # 0 turns clipping off
     "training.skip_nonfinite_steps": (0, None, True, False),
-    "optimizer.lr": (0, None, False, False),
+    "optimizer.lr": (0, LR_MAX, False, True),
     "optimizer.weight_decay": (0, None, True, False),
     "optimizer.eps": (0, None, False, False),
     "optimizer.beta1": (0, 1, True, False),
@@ -41,8 +48,8 @@ RANGES: dict[str, tuple] = {
     "metrics.log_freq": (0, None, False, False),
     "comm.fake_world_size": (1, None, True, False),
     "comm.link_bandwidth_gbps": (0, None, False, False),
-    "comm.init_timeout_seconds": (0, None, False, False),
-    "comm.train_timeout_seconds": (0, None, False, False),
+    "comm.init_timeout_seconds": (0, TIMEOUT_MAX_S, False, True),
+    "comm.train_timeout_seconds": (0, TIMEOUT_MAX_S, False, True),
     "lora.rank": (0, None, True, False),  # 0 = off
     "lora.alpha": (0, None, False, False),
     "lora.dropout": (0, 1, True, False),

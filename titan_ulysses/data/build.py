@@ -54,6 +54,16 @@ def node_group():
     return mine
 
 
+def check_dataset_files(config: JobConfig) -> None:
+    """The corpus files the settings name exist (a DataError naming the setting otherwise). Cheap:
+    run first, so a missing file is not hidden behind a layout error of the same launch."""
+    t, v = config.training, config.validation
+    if t.dataset != "passkey" and t.dataset_path:
+        list_files(t.dataset_path, "training.dataset_path")
+    if v.enable and (v.dataset or t.dataset) != "passkey" and v.dataset_path:
+        list_files(v.dataset_path, "validation.dataset_path")
+
+
 def open_store(kind: str, path: str, tokenizer, config: JobConfig, group=None, rank: int = 0, world: int = 1,
                processes: int = 0):
     """Tokenize ``path`` once (in parallel over the ranks of ``group``, or over ``processes``
@@ -63,12 +73,13 @@ def open_store(kind: str, path: str, tokenizer, config: JobConfig, group=None, r
     files = list_files(path, key_name)
     options: dict = {"kind": kind}
     if kind == "sft":
-        template = load_chat_template(t.chat_template, tokenizer, config.model.tokenizer_path)
+        template = load_chat_template(t.chat_template, tokenizer)
         encode = SFTEncoder(tokenizer, template)
         options["chat_template"] = template.source
+        options["chat_special_tokens"] = template.special_tokens
     else:
         encode = TextEncoder(tokenizer)
-    ident = tokenizer_identity(tokenizer, config.model.tokenizer_path)
+    ident = tokenizer_identity(tokenizer)
     key = cache_key(files, ident, options)
     cache_dir = t.dataset_cache_dir or default_cache_dir(path)
     meta = {"files": files, "tokenizer": ident, "kind": kind}
@@ -109,6 +120,7 @@ def build_dataset(kind: str, path: str, tokenizer, config: JobConfig, seed: int,
         docs, dropped = docs[lengths[docs] <= t.seq_len], len(long)
     if len(docs) == 0:
         raise DataError(f"no SFT sample of {path!r} is left (dropped {dropped} longer than training.seq_len)")
+    _check_truncated_keep_loss(store, docs, t.seq_len, path, t.include_prompt_loss)
     if t.packing:
         ds = PackedSamples(store, t.seq_len, seed, t.shuffle, pad, t.include_prompt_loss, docs)
     else:
@@ -118,17 +130,58 @@ def build_dataset(kind: str, path: str, tokenizer, config: JobConfig, seed: int,
     return ds
 
 
-def data_settings(config: JobConfig) -> dict:
-    """What decides which tokens a global sample index means; a resume checks it."""
+def _check_truncated_keep_loss(store, docs: np.ndarray, seq_len: int, path: str, include_prompt: bool) -> None:
+    """A sample truncated to ``seq_len`` must keep a token with loss (else its rows have no
+    loss at all: a data problem, not a NaN to find later)."""
+    if store.mask is None or include_prompt:
+        return
+    lengths = store.lengths()
+    bad = [int(d) for d in docs[lengths[docs] > seq_len]
+           if not np.asarray(store.mask[int(store.offsets[d]) + 1:int(store.offsets[d]) + 1 + seq_len]).any()]
+    if bad:  # mask[lo+1 : lo+1+seq_len] are the labels a truncated window keeps
+        raise DataError(f"{len(bad)} SFT sample(s) of {path!r} keep no completion token once truncated to "
+                        f"training.seq_len {seq_len} (first: sample #{bad[0]} in file order, {int(lengths[bad[0]])} "
+                        f"tokens): they would train on nothing; set training.overlong_samples 'drop', raise "
+                        f"training.seq_len, or shorten those prompts")
+
+
+def corpus_fingerprint(path: str, key: str = "training.dataset_path") -> str:
+    """The content of the corpus files, cheaply: names, sizes and a hash of each file's first and last MiB."""
+    import hashlib
+
+    from titan_ulysses.data.sources import list_files
+
+    h = hashlib.sha256()
+    for f in list_files(path, key):
+        size = os.path.getsize(f)
+        h.update(f"{os.path.basename(f)}:{size}:".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(2**20))
+            if size > 2**20:
+                fh.seek(max(size - 2**20, 2**20))
+                h.update(fh.read())
+    return h.hexdigest()[:20]
+
+
+def data_settings(config: JobConfig, tokenizer=None) -> dict:
+    """What decides which tokens a global sample index means; a resume checks it.
+
+    With ``tokenizer``, its content fingerprint (not the path it was read from) and the
+    corpus' fingerprint (``corpus_fingerprint``) are part of it: rows appended to the corpus
+    or another tokenizer.json at the same path are a change like any other."""
     t, m = config.training, config.model
     settings = {"dataset": t.dataset, "seq_len": t.seq_len, "seed": t.seed, "tokenizer": m.tokenizer}
-    if m.tokenizer_path:
+    if tokenizer is not None:
+        settings["tokenizer_content"] = tokenizer.fingerprint
+    elif m.tokenizer_path:
         settings["tokenizer_path"] = os.path.abspath(m.tokenizer_path)
     if t.dataset == "passkey":
         settings["passkey_digits"] = t.passkey_digits
     else:
         settings.update(dataset_path=os.path.abspath(t.dataset_path), packing=t.packing, shuffle=t.shuffle,
                         min_document_tokens=t.min_document_tokens)
+        if tokenizer is not None:
+            settings["dataset_content"] = corpus_fingerprint(t.dataset_path)
     if t.dataset == "sft":
         settings.update(overlong_samples=t.overlong_samples, include_prompt_loss=t.include_prompt_loss,
                         chat_template=t.chat_template)
@@ -164,7 +217,7 @@ def build_data(config: JobConfig, tokenizer, dp_rank: int, dp_size: int, global_
     dataset = build_dataset(t.dataset, t.dataset_path, tokenizer, config, t.seed, group, rank, world)
     dataloader = build_dataloader(
         dataset, global_batch_size=global_batch_size, local_batch_size=t.local_batch_size,
-        dp_rank=dp_rank, dp_size=dp_size, settings=data_settings(config),
+        dp_rank=dp_rank, dp_size=dp_size, settings=data_settings(config, tokenizer),
         allow_change=config.checkpoint.allow_data_change,
     )
     validation = None

@@ -55,29 +55,40 @@ class ChatTemplate:
         self.has_generation_tags = bool(re.search(r"\{%-?\s*generation\s*-?%\}", source))
         self._compiled = None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, where="") -> str:
         try:
             from transformers.utils.chat_template_utils import render_jinja_template
         except ImportError:
             render_jinja_template = None
-        if render_jinja_template is not None:
-            rendered, _ = render_jinja_template(
-                conversations=[messages], chat_template=self.source,
-                add_generation_prompt=add_generation_prompt, **self.special_tokens,
-            )
-            return rendered[0]
-        return self._jinja().render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    **self.special_tokens)
+        try:
+            if render_jinja_template is not None:
+                rendered, _ = render_jinja_template(
+                    conversations=[messages], chat_template=self.source,
+                    add_generation_prompt=add_generation_prompt, **self.special_tokens,
+                )
+                return rendered[0]
+            return self._jinja().render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.special_tokens)
+        except Exception as e:  # jinja2's TemplateError, or a TypeError inside the template
+            raise self._refusal(e, where) from e
 
-    def generation_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def generation_spans(self, messages: list[dict], where="") -> tuple[str, list[tuple[int, int]]]:
         """Text and ``{% generation %}`` spans (templates that mark assistant output)."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        rendered, indices = render_jinja_template(
-            conversations=[messages], chat_template=self.source, return_assistant_tokens_mask=True,
-            **self.special_tokens,
-        )
+        try:
+            rendered, indices = render_jinja_template(
+                conversations=[messages], chat_template=self.source, return_assistant_tokens_mask=True,
+                **self.special_tokens,
+            )
+        except Exception as e:
+            raise self._refusal(e, where) from e
         return rendered[0], list(indices[0])
+
+    def _refusal(self, error: Exception, where) -> DataError:
+        """A template that raises on a row: one line naming the template, the row and its message."""
+        return DataError(f"{where or 'a row'}: chat template ({self.origin}) failed on this row: "
+                         f"{type(error).__name__}: {error}; fix the row or the template (training.chat_template)")
 
     def _jinja(self):
         if self._compiled is None:
@@ -113,8 +124,21 @@ def _from_tokenizer_config(path: str) -> ChatTemplate | None:
     return ChatTemplate(template, _special_tokens(path), origin=path)
 
 
-def load_chat_template(setting: str, tokenizer, tokenizer_path: str) -> ChatTemplate:
-    """The chat template to render ``messages`` rows with (see the module docstring for the order)."""
+def load_chat_template(setting: str, tokenizer, tokenizer_path: str | None = None) -> ChatTemplate:
+    """The chat template to render ``messages`` rows with (see the module docstring for the order).
+
+    ``tokenizer_path`` defaults to the folder the tokenizer was read from. A template whose
+    file brings no special tokens gets the tokenizer's (``bos_token``, ``eos_token``), as
+    transformers passes them.
+    """
+    template = _find_template(setting, tokenizer,
+                              getattr(tokenizer, "folder", "") if tokenizer_path is None else tokenizer_path)
+    own = getattr(tokenizer, "special_tokens", None) or {}
+    template.special_tokens = {**own, **template.special_tokens}
+    return template
+
+
+def _find_template(setting: str, tokenizer, tokenizer_path: str) -> ChatTemplate:
     if setting:
         if not os.path.isfile(setting):
             raise DataError(f"training.chat_template {setting!r} is not a file (a .jinja template or tokenizer_config.json)")
@@ -146,14 +170,14 @@ def assistant_spans(template: ChatTemplate, messages: list[dict], first: int = 0
                     where="") -> tuple[str, list[tuple[int, int]]]:
     """Rendered text and the character spans of assistant turns with index >= ``first``."""
     if template.has_generation_tags and first == 0:
-        return template.generation_spans(messages)
-    text = template.render(messages)
+        return template.generation_spans(messages, where)
+    text = template.render(messages, where=where)
     spans = []
     for i, message in enumerate(messages):
         if i < first or message.get("role") != "assistant":
             continue
-        before = template.render(messages[:i], add_generation_prompt=True) if i else ""
-        upto = template.render(messages[: i + 1])
+        before = template.render(messages[:i], add_generation_prompt=True, where=where) if i else ""
+        upto = template.render(messages[: i + 1], where=where)
         if not (upto.startswith(before) and text.startswith(upto)):
             raise DataError(
                 f"{where}: chat template ({template.origin}) does not render this conversation prefix by prefix, "

@@ -25,8 +25,11 @@ def hf_tokenizer_file(path: str) -> str:
 def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from e
 
 
 def _token_text(entry) -> str | None:
@@ -41,18 +44,40 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         file = hf_tokenizer_file(path)
-        folder = os.path.dirname(file)
-        self._tok = Tokenizer.from_file(file)
+        folder = os.path.dirname(os.path.abspath(file))
+        self.file, self.folder, self._fingerprint = file, folder, None
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as e:  # the Rust library raises a bare Exception
+            raise ValueError(f"{file} is not a valid tokenizer.json ({e}); copy it again from the model's "
+                             f"Hugging Face folder") from e
         tok_config = _read_json(os.path.join(folder, "tokenizer_config.json"))
         model_config = _read_json(os.path.join(folder, "config.json"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = {name: self._special(tok_config, model_config, name) for name in ("bos", "eos", "pad")}
         if ids["eos"] is None:
-            raise ValueError(f"{folder!r}: neither tokenizer_config.json nor config.json names an EOS token")
+            raise ValueError(f"{folder!r}: no EOS token (tokenizer_config.json has no eos_token of this "
+                             f"tokenizer.json and config.json has no eos_token_id); set one of them")
         self.has_bos = ids["bos"] is not None
         self.eos_id = ids["eos"]
         self.bos_id = ids["bos"] if self.has_bos else self.eos_id
         self.pad_id = ids["pad"] if ids["pad"] is not None else self.eos_id
+        for name in ("bos", "eos", "pad"):
+            if ids[name] is not None and not 0 <= ids[name] < self.vocab_size:
+                raise ValueError(f"{folder!r}: {name} token id {ids[name]} is outside the tokenizer's "
+                                 f"{self.vocab_size} ids")
+        # the variables a chat template uses, as transformers passes them
+        self.special_tokens = {f"{name}_token": self._tok.id_to_token(ids[name])
+                               for name in ("bos", "eos", "pad") if ids[name] is not None}
+
+    @property
+    def fingerprint(self) -> str:
+        """The content of tokenizer.json and the special ids (which tokenizer_config.json/config.json pick)."""
+        if self._fingerprint is None:
+            from titan_ulysses.data.tokenizer import file_digest
+
+            self._fingerprint = f"hf-{file_digest(self.file)}-{self.bos_id}-{self.eos_id}-{self.pad_id}"
+        return self._fingerprint
 
     def _special(self, tok_config: dict, model_config: dict, name: str) -> int | None:
         text = _token_text(tok_config.get(f"{name}_token"))

@@ -82,10 +82,17 @@ class WithoutSettings:
         self.loader.load_state_dict(state)
 
 
+# Recorded since a later version: a checkpoint without them is not refused for lacking them.
+LATER_SETTINGS = {"tokenizer_content", "dataset_content"}
+# Recorded by older versions only (the tokenizer's path; its content replaced it).
+FORMER_SETTINGS = {"tokenizer_path"}
+
+
 def check_settings(saved: dict, current: dict, allow_change: bool) -> None:
     """Refuse to resume on other data than the checkpoint's, naming every setting that changed."""
-    changed = [f"{k} {saved.get(k)!r} -> {current.get(k)!r}" for k in sorted(set(saved) | set(current))
-               if saved.get(k) != current.get(k)]
+    keys = [k for k in sorted(set(saved) | set(current))
+            if not (k in LATER_SETTINGS and k not in saved) and not (k in FORMER_SETTINGS and k not in current)]
+    changed = [f"{k} {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
     if changed and not allow_change:
         from titan_ulysses.data.sources import DataError
 

@@ -14,12 +14,15 @@ Layout of ``{cache_dir}/{key}/``::
     mask.bin      uint8, 1 where a token carries loss (SFT only: completion/assistant tokens)
     meta.json     written last; a folder without it is never used
 
-Building: the corpus is cut into ordered work items (``sources.py``); worker ``w`` of
-``n`` tokenizes items ``w, w+n, ...`` into ``{key}.parts-{host}-{cut}/part-XXXXXX.npz`` (each
-written under a temporary name and renamed, so a killed build leaves only whole parts,
-which the next build reuses). Worker 0 then concatenates the parts in item order into
-``{key}.tmp-{host}-{pid}/`` and renames that folder to ``{key}``: the store appears whole
-or not at all, and concurrent builders (ranks, nodes, jobs) cannot corrupt it.
+Building: one builder per key at a time holds ``{key}.lock`` (``build_lock.py``; other jobs
+building the same key wait, then open the store). The corpus is cut into ordered work
+items (``sources.py``); worker ``w`` of ``n`` tokenizes items ``w, w+n, ...`` into
+``{key}.parts-{host}-{cut}/part-XXXXXX.npz`` (each written under a temporary name and
+renamed, so a killed build leaves only whole parts, which the next build reuses). Worker 0
+then concatenates the parts in item order into ``{key}.tmp-{host}-{pid}/`` and renames that
+folder to ``{key}``: the store appears whole or not at all. A build that fails (a bad row,
+a full disk) removes its parts and temporary folder; the next builder removes what killed
+ones left.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import time
 
 import numpy as np
 
+from titan_ulysses.data.build_lock import BuildLock, folder_bytes, remove_litter, write_error
 from titan_ulysses.data.sources import DataError, WorkItem, read_rows
 
 STORE_VERSION = 1
@@ -44,15 +48,11 @@ def _stat(path: str) -> list:
 
 
 def tokenizer_identity(tokenizer, path: str = "") -> dict:
-    """What makes two tokenizers produce the same ids: class, vocabulary, specials, file(s)."""
-    ident = {"class": type(tokenizer).__name__, "vocab_size": int(tokenizer.vocab_size),
-             "bos": getattr(tokenizer, "bos_id", None), "eos": getattr(tokenizer, "eos_id", None)}
-    if path and os.path.isdir(path):
-        ident["files"] = [_stat(os.path.join(path, f)) for f in sorted(os.listdir(path))
-                          if os.path.isfile(os.path.join(path, f))]
-    elif path and os.path.isfile(path):
-        ident["files"] = [_stat(path)]
-    return ident
+    """What makes two tokenizers produce the same ids: class, vocabulary, specials and the
+    content of their file (``tokenizer.fingerprint``), never the path it was read from."""
+    return {"class": type(tokenizer).__name__, "vocab_size": int(tokenizer.vocab_size),
+            "bos": getattr(tokenizer, "bos_id", None), "eos": getattr(tokenizer, "eos_id", None),
+            "content": getattr(tokenizer, "fingerprint", None)}
 
 
 def cache_key(files: list[str], tokenizer_id: dict, options: dict) -> str:
@@ -145,6 +145,22 @@ def merge_parts(n_items: int, parts_dir: str, final: str, dtype, meta: dict) -> 
     """Concatenate the parts in item order into a temporary folder, then rename it to ``final``."""
     tmp = f"{final}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _merge_into(tmp, n_items, parts_dir, dtype, meta)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.rename(tmp, final)  # atomic; fails if another builder renamed first
+    except OSError:
+        if not os.path.isfile(os.path.join(final, "meta.json")):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # someone else's identical store won the race
+    shutil.rmtree(parts_dir, ignore_errors=True)
+
+
+def _merge_into(tmp: str, n_items: int, parts_dir: str, dtype, meta: dict) -> None:
     os.makedirs(tmp)
     lengths, has_mask = [], False
     with open(os.path.join(tmp, "tokens.bin"), "wb") as tok_f, open(os.path.join(tmp, "mask.bin"), "wb") as mask_f:
@@ -165,37 +181,49 @@ def merge_parts(n_items: int, parts_dir: str, final: str, dtype, meta: dict) -> 
                 n_tokens=int(offsets[-1]), built=time.strftime("%Y-%m-%d %H:%M:%S"))
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    try:
-        os.rename(tmp, final)  # atomic; fails if another builder renamed first
-    except OSError:
-        if not os.path.isfile(os.path.join(final, "meta.json")):
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)  # someone else's identical store won the race
-    shutil.rmtree(parts_dir, ignore_errors=True)
 
 
 def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 
-class Progress:
-    """Rank 0's progress line: items, tokens and MB/s of its own share, every few seconds."""
+def _item_bytes(item: WorkItem) -> int:
+    if item.kind == "jsonl":
+        return item.end - item.start
+    return os.path.getsize(item.path) if item.kind == "txt" else 0
 
-    def __init__(self, total_items: int, workers: int, enabled: bool, every_s: float = 5.0):
-        self.total, self.workers, self.enabled, self.every = total_items, workers, enabled, every_s
-        self.done, self.tokens, self.bytes = 0, 0, 0
-        self.start = self.last = time.perf_counter()
+
+class Progress:
+    """Rank 0's progress bar (tqdm) over the corpus bytes; its own share times the workers."""
+
+    def __init__(self, items: list[WorkItem], workers: int, enabled: bool):
+        self.workers, self.enabled = workers, enabled
+        self.start = time.perf_counter()
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=sum(_item_bytes(i) for i in items) or None, unit="B", unit_scale=True,
+                            unit_divisor=1024, desc=f"tokenizing ({workers} worker(s))", mininterval=1.0,
+                            dynamic_ncols=True)
 
     def __call__(self, item: WorkItem, n_tokens: int) -> None:
-        self.done += 1
-        self.tokens += n_tokens
-        self.bytes += (item.end - item.start) if item.kind == "jsonl" else os.path.getsize(item.path) if item.kind == "txt" else 0
-        now = time.perf_counter()
-        if self.enabled and (now - self.last >= self.every):
-            self.last = now
-            mb = self.bytes / 2**20
-            print(f"tokenizing: {self.done * self.workers}/{self.total} items (estimated), {mb * self.workers:.0f} MB, "
-                  f"{mb * self.workers / (now - self.start):.1f} MB/s over {self.workers} worker(s)", flush=True)
+        if self.bar is not None:
+            self.bar.update(_item_bytes(item) * self.workers)  # an estimate: the other workers' pace is ours
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def estimate_bytes(items: list[WorkItem], parts_dir: str) -> int:
+    """Space a build needs: the parts written so far scaled to the whole corpus, twice (parts and store)."""
+    total = sum(_item_bytes(i) for i in items) or 1
+    done = [i for k, i in enumerate(items) if os.path.exists(_part_path(parts_dir, k))]
+    written = folder_bytes(parts_dir) if os.path.isdir(parts_dir) else 0
+    per_byte = written / max(sum(_item_bytes(i) for i in done), 1) if done else 2.0  # at worst 1 uint16 per byte
+    return int(2 * per_byte * total)
 
 
 _FORKED: tuple = ()  # (items, encode, parts_dir, dtype) inherited by forked workers
@@ -204,11 +232,15 @@ _FORKED: tuple = ()  # (items, encode, parts_dir, dtype) inherited by forked wor
 def _forked_worker(args) -> str | None:
     worker, workers = args
     items, encode, parts_dir, dtype = _FORKED
+    progress = Progress(items, workers, worker == 0)
     try:
-        progress = Progress(len(items), workers, worker == 0)
         tokenize_items(items, range(worker, len(items), workers), encode, parts_dir, dtype, progress)
     except DataError as e:
         return str(e)
+    except OSError as e:
+        return write_error(e, parts_dir, estimate_bytes(items, parts_dir))
+    finally:
+        progress.close()
     return None
 
 
@@ -219,54 +251,117 @@ def build_with_processes(items: list[WorkItem], encode, cache_dir: str, key: str
 
     global _FORKED
     final = os.path.join(cache_dir, key)
-    if not os.path.isfile(os.path.join(final, "meta.json")):
-        dtype = token_dtype(vocab_size)
-        parts_dir = _parts_dir(final, items)
-        os.makedirs(cache_dir, exist_ok=True)
+    if _ready(final):
+        return TokenStore(final)
+    lock, parts_dir = _start_build(cache_dir, key, items, final)
+    dtype = token_dtype(vocab_size)
+    if lock is None:
+        return TokenStore(final)
+    state = "interrupted"
+    try:
         _FORKED = (items, encode, parts_dir, dtype)
         with mp.get_context("fork").Pool(workers) as pool:
             errors = pool.map(_forked_worker, [(w, workers) for w in range(workers)])
         _FORKED = ()
+        state = "failed"
         _raise_first(errors)
-        merge_parts(len(items), parts_dir, final, dtype, meta)
+        _raise_first([_merge(items, parts_dir, final, dtype, meta)])
+        state = "built"
+    finally:
+        _finish_build(lock, state, parts_dir, final)
     return TokenStore(final)
+
+
+def _ready(final: str) -> bool:
+    return os.path.isfile(os.path.join(final, "meta.json"))
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _start_build(cache_dir: str, key: str, items: list[WorkItem], final: str):
+    """(lock, parts folder) for the one builder of ``key``; lock None if the store appeared while we waited."""
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        lock = BuildLock(final).acquire(_say)
+    except OSError as e:
+        raise DataError(write_error(e, final, 0)) from e
+    if _ready(final):  # another job built it while we waited
+        lock.release(built=True)
+        return None, ""
+    parts_dir = _parts_dir(final, items)
+    remove_litter(cache_dir, key, keep=parts_dir)
+    return lock, parts_dir
+
+
+def _merge(items, parts_dir: str, final: str, dtype, meta: dict) -> str | None:
+    try:
+        merge_parts(len(items), parts_dir, final, dtype, meta)
+    except OSError as e:
+        return write_error(e, final, folder_bytes(parts_dir))
+    return None
+
+
+def _finish_build(lock: BuildLock, state: str, parts_dir: str, final: str) -> None:
+    """Release the key. A failed build (a bad row, a full disk) leaves no parts and no temporary
+    folder behind; an interrupted one (SIGTERM, Ctrl-C) keeps its whole parts for the next build."""
+    if state == "failed":
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    shutil.rmtree(f"{final}.tmp-{socket.gethostname()}-{os.getpid()}", ignore_errors=True)
+    lock.release(built=state == "built")
 
 
 def build_or_open(items: list[WorkItem], encode, cache_dir: str, key: str, vocab_size: int, meta: dict,
                   rank: int = 0, world: int = 1, group=None) -> TokenStore:
     """The store for ``key``, built if absent by the ``world`` ranks of ``group`` together.
 
-    Every rank of ``group`` must call this. Errors on any rank (a bad row) reach all of
-    them as the same DataError, so no rank waits forever for a peer that failed.
+    Every rank of ``group`` must call this. Rank 0 holds the key's build lock (waiting for
+    another job building the same key). Errors on any rank (a bad row, a full disk) reach
+    all of them as the same DataError, so no rank waits forever for a peer that failed.
     """
     import torch.distributed as dist
 
     final = os.path.join(cache_dir, key)
-    ready = os.path.isfile(os.path.join(final, "meta.json"))
+    lock, error, ready = None, None, _ready(final)
+    if rank == 0 and not ready:
+        try:
+            lock, _ = _start_build(cache_dir, key, items, final)
+            ready = lock is None
+        except DataError as e:
+            error = str(e)
     if world > 1:  # agree on rank 0's view, which a concurrent builder could change under us
-        flag = [ready]
+        flag = [(ready, error)]
         dist.broadcast_object_list(flag, src=dist.get_global_rank(group, 0), group=group)
-        ready = flag[0]
-    if not ready:
-        dtype = token_dtype(vocab_size)
-        parts_dir = _parts_dir(final, items)
-        os.makedirs(cache_dir, exist_ok=True)
-        progress = Progress(len(items), world, rank == 0)
+        ready, error = flag[0]
+    _raise_first([error])
+    if ready:
+        return TokenStore(final)
+    dtype = token_dtype(vocab_size)
+    parts_dir = _parts_dir(final, items)
+    state = "interrupted"
+    progress = Progress(items, world, rank == 0)
+    try:
         error = None
         try:
+            os.makedirs(parts_dir, exist_ok=True)
             tokenize_items(items, range(rank, len(items), world), encode, parts_dir, dtype, progress)
         except DataError as e:
             error = str(e)
+        except OSError as e:
+            error = write_error(e, parts_dir, estimate_bytes(items, parts_dir))
+        progress.close()
+        state = "failed"
         _raise_first(_gather(error, group) if world > 1 else [error])
-        error = None
+        error = _merge(items, parts_dir, final, dtype, meta) if rank == 0 else None
+        _raise_first(_gather(error, group) if world > 1 else [error])
+        state = "built"
+    finally:
+        progress.close()
         if rank == 0:
-            try:
-                merge_parts(len(items), parts_dir, final, dtype, meta)
-            except OSError as e:
-                error = f"cannot write the token cache {final}: {e}"
-        _raise_first(_gather(error, group) if world > 1 else [error])
-        if rank == 0 and progress.enabled:
-            print(f"tokenized {len(items)} items in {time.perf_counter() - progress.start:.1f}s -> {final}", flush=True)
+            _finish_build(lock, state, parts_dir, final)
+    if rank == 0:
+        print(f"tokenized {len(items)} items in {time.perf_counter() - progress.start:.1f}s -> {final}", flush=True)
     return TokenStore(final)
 
 

@@ -1,10 +1,33 @@
-"""Tokenizers: byte-level (no file) and tiktoken BPE in Llama-3's tokenizer.model format."""
+"""Tokenizers: byte-level (no file), tiktoken BPE in Llama-3's tokenizer.model format, and a
+Hugging Face tokenizer.json (``hf_tokenizer.py``).
+
+``resolve_tokenizer(model_config)`` is "this run's tokenizer": train.py, the trainer,
+scripts/prepare_data.py and the eval scripts all build it through this one function, so
+they read the same file and name the same setting when it is wrong. Every tokenizer has a
+``fingerprint`` (a hash of its file's content and its special ids), which keys the token
+store: two spellings of one file share a store, a changed file at the same path does not.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
 
+from titan_ulysses.data.sources import DataError
 from titan_ulysses.models.llama.args import BYTE_VOCAB_SIZE
+
+
+class TokenizerError(DataError):
+    """The tokenizer file (or the setting naming it) is wrong: one line naming the setting."""
+
+
+def file_digest(path: str) -> str:
+    """sha256 of a file's content (tokenizer files are a few MB: read whole, once per run)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 class ByteTokenizer:
@@ -12,6 +35,12 @@ class ByteTokenizer:
 
     bos_id, eos_id, pad_id = 256, 257, 258
     vocab_size = BYTE_VOCAB_SIZE
+    folder = ""  # no file: chat templates come from training.chat_template or ChatML
+    special_tokens: dict = {}  # no token strings a chat template could emit
+
+    @property
+    def fingerprint(self) -> str:
+        return "byte"
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
         return [self.bos_id] * bos + list(text.encode("utf-8")) + [self.eos_id] * eos
@@ -40,7 +69,13 @@ class TiktokenTokenizer:
         try:
             ranks = load_tiktoken_bpe(path)
         except Exception as e:
-            raise ValueError(f"model.tokenizer_path {path!r} is not a tiktoken BPE file: {e}") from e
+            raise ValueError(f"model.tokenizer_path {path!r} is not a tiktoken BPE file "
+                             f"(lines of 'base64-token rank'): {type(e).__name__}: {e}") from e
+        if not ranks or sorted(ranks.values()) != list(range(len(ranks))):
+            raise ValueError(f"model.tokenizer_path {path!r} is not a tiktoken BPE file: its ranks are not "
+                             f"0..n-1 (a Llama-3 tokenizer.model has one 'base64-token rank' per line)")
+        self.path, self.folder = path, os.path.dirname(os.path.abspath(path))
+        self._fingerprint = None
         n = len(ranks)
         names = ["<|begin_of_text|>", "<|end_of_text|>"] + [
             f"<|reserved_special_token_{i}|>" for i in range(_NUM_SPECIAL - 2)
@@ -52,6 +87,13 @@ class TiktokenTokenizer:
         self.bos_id, self.eos_id = special["<|begin_of_text|>"], special["<|end_of_text|>"]
         self.pad_id = self.eos_id
         self.vocab_size = n + _NUM_SPECIAL
+        self.special_tokens = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = "tiktoken-" + file_digest(self.path)
+        return self._fingerprint
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
         ids = self._enc.encode(text, disallowed_special=())
@@ -59,6 +101,32 @@ class TiktokenTokenizer:
 
     def decode(self, ids) -> str:
         return self._enc.decode([i for i in ids if i < self.vocab_size - _NUM_SPECIAL])
+
+
+def tokenizer_source(model) -> tuple[str, str, str]:
+    """(kind, path, the setting that names the path) of ``model`` (a ModelConfig): the one place
+    that says where a run's tokenizer comes from."""
+    if model.tokenizer == "hf":
+        if model.tokenizer_path:
+            return "hf", model.tokenizer_path, "model.tokenizer_path"
+        return "hf", model.hf_assets_path, "model.hf_assets_path"
+    if model.tokenizer == "tiktoken":
+        return "tiktoken", model.tokenizer_path, "model.tokenizer_path"
+    return model.tokenizer, "", "model.tokenizer"
+
+
+def resolve_tokenizer(model):
+    """This run's tokenizer, from ``model`` (a ModelConfig); a TokenizerError (one line naming
+    the setting and the file) when it cannot be read."""
+    kind, path, setting = tokenizer_source(model)
+    if kind in ("hf", "tiktoken") and not path:
+        raise TokenizerError(f"model.tokenizer {kind!r} needs {'model.hf_assets_path or ' if kind == 'hf' else ''}"
+                             f"model.tokenizer_path")
+    try:
+        return build_tokenizer(kind, path)
+    except (OSError, ValueError) as e:
+        message = str(e)
+        raise TokenizerError(message if message.startswith(setting) else f"{setting} {path!r}: {message}") from e
 
 
 def build_tokenizer(kind: str, path: str = ""):
