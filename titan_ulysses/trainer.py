@@ -39,8 +39,8 @@ from titan_ulysses.metrics.flops import flops_per_token, peak_flops
 from titan_ulysses.metrics.logger import MetricsLogger, max_memory_gib
 from titan_ulysses.models.hf_config import describe, load_hf_args
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling, get_flavor
-from titan_ulysses.models.llama.model import Transformer
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+from titan_ulysses.models.registry import build_model, parallelize_model
 from titan_ulysses.ops.attention import build_attention_mask, sdpa_priority
 from titan_ulysses.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
 from titan_ulysses.validate import build_validator
@@ -95,7 +95,7 @@ def init_distributed(fake_world_size: int = 0, timeout_seconds: float | None = N
     return device
 
 
-def init_weights(model: Transformer, args: LlamaArgs, device: torch.device, seed: int) -> None:
+def init_weights(model: torch.nn.Module, args: LlamaArgs, device: torch.device, seed: int) -> None:
     """Initialise the sharded model so that its weights do not depend on the layout.
 
     On CUDA, DTensor's offset-based RNG makes sharded init equal to unsharded init. On CPU
@@ -104,7 +104,7 @@ def init_weights(model: Transformer, args: LlamaArgs, device: torch.device, seed
     """
     if device.type == "cpu":
         model.init_buffers(device)
-        full = Transformer(args)
+        full = build_model(args)
         torch.manual_seed(seed)
         full.init_weights()
         load_full_state_dict(model, full.state_dict())
@@ -155,7 +155,7 @@ class Trainer:
 
         self.args = model_args(config, self.tokenizer.vocab_size)
         with torch.device("meta"):
-            model = Transformer(self.args)
+            model = build_model(self.args)
         options = ParallelizeOptions(
             ac_mode=config.activation_checkpoint.mode,
             compile=config.compile.enable,
@@ -165,7 +165,8 @@ class Trainer:
             float8=float8_options(config),
         )
         self.float8 = options.float8
-        self.model = parallelize_llama(model, pd, options)
+        self.model = parallelize_model(model, pd, options)
+        self.model.rope_seq_len = t.seq_len  # the full length each rank's slice belongs to (longrope)
         self.model.to_empty(device=self.device)
         c = config.checkpoint
         ckpt_folder = os.path.join(config.job.dump_folder, c.folder)
@@ -189,7 +190,7 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, enable=c.enable, interval=c.interval,
             async_mode=c.async_mode, keep_latest_k=c.keep_latest_k, settings=resume_settings(config),
             timeout_seconds=config.comm.init_timeout_seconds,
-            extras=lambda d: write_model_record(d, self.args, config.model.hf_assets_path),
+            extras=lambda d: write_model_record(d, self.args, config.model.hf_assets_path, t.seq_len),
         )
         self.step = self.checkpointer.load() if c.enable else 0
         if hf_start:

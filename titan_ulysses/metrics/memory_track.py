@@ -1,6 +1,6 @@
 """One training step's memory, measured phase by phase on CPU without computing anything.
 
-``track_step`` builds the model as the trainer does (meta device, ``parallelize_llama``,
+``track_step`` builds the model as the trainer does (meta device, the family's parallelize,
 FSDP2 over the simulated layout), joins PyTorch's fake process group as rank 0 of the
 simulated world, and runs a steady-state step -- forward with the (chunked) loss, backward,
 gradient clipping, the AdamW step, ``zero_grad(set_to_none=True)`` -- under
@@ -177,8 +177,8 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
     from titan_ulysses.data.sharding import shard_batch
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.distributed.utils import clip_grad_norm_
-    from titan_ulysses.models.llama.model import Transformer
-    from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+    from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+    from titan_ulysses.models.registry import build_model, parallelize_model
     from titan_ulysses.optim import build_optimizer
 
     if switches.cpu_offload or switches.ac_mode == "full_offload":
@@ -190,8 +190,8 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
         pd = ParallelDims(dp_shard=layout.dp_shard, cp=layout.cp, sp=layout.sp, tp=layout.tp, world_size=world)
         pd.build_mesh("cpu")
         with torch.device("meta"):
-            model = Transformer(args)
-        parallelize_llama(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, param_dtype=dtype))
+            model = build_model(args)
+        parallelize_model(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, param_dtype=dtype))
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             model.init_buffers(torch.device("cpu"))
