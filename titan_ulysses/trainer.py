@@ -37,8 +37,9 @@ from titan_ulysses.distributed.watchdog import exit_with_launcher, set_timeouts
 from titan_ulysses.metrics.comm import context_parallel_bytes_per_step, ulysses_bytes_per_step
 from titan_ulysses.metrics.flops import flops_per_token, peak_flops
 from titan_ulysses.metrics.logger import MetricsLogger, max_memory_gib
-from titan_ulysses.models.hf_config import describe, load_hf_args
-from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling, get_flavor
+from titan_ulysses.models.extension import extend_context
+from titan_ulysses.models.hf_config import describe, load_hf_args, read_hf_config
+from titan_ulysses.models.llama.args import LlamaArgs, get_flavor
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions
 from titan_ulysses.models.registry import build_model, parallelize_model
 from titan_ulysses.ops.attention import build_attention_mask, sdpa_priority
@@ -65,8 +66,9 @@ def model_args(config: JobConfig, vocab_size: int) -> LlamaArgs:
                  "sdpa_backends": m.sdpa_backends}
     if m.rope_theta > 0:
         overrides["rope_theta"] = m.rope_theta
-    if m.rope_scaling_factor > 0:
-        overrides["rope_scaling"] = dataclasses.replace(args.rope_scaling or RopeScaling(), factor=m.rope_scaling_factor)
+    max_positions = read_hf_config(m.hf_assets_path).get("max_position_embeddings", 0) if m.hf_assets_path else 0
+    args = extend_context(args, m.rope_scaling_factor, m.rope_scaling_type, m.rope_original_max_position_embeddings,
+                          max_positions)
     return dataclasses.replace(args, **overrides)
 
 

@@ -21,6 +21,7 @@ from titan_ulysses.data.sharding import check_seq_len
 from titan_ulysses.distributed.float8 import Float8Options, check_float8
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import check_heads
+from titan_ulysses.models.extension import extend_context
 from titan_ulysses.models.hf_config import load_hf_args
 from titan_ulysses.models.llama.args import get_flavor
 from titan_ulysses.ops.attention import parse_sdpa_backends
@@ -156,6 +157,10 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     args = _model_args(config)
     source = f"model.hf_assets_path {config.model.hf_assets_path!r}" if config.model.hf_assets_path else (
         f"model.flavor {config.model.flavor!r}")
+    try:
+        extend_context(args, config.model.rope_scaling_factor, config.model.rope_scaling_type)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     try:
         check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp, dims.cp)
     except ValueError as e:

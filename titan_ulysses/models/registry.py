@@ -42,6 +42,8 @@ class ModelFamily:
     """Builds the (non-distributed) module; call under ``torch.device("meta")`` for big models."""
     parallelize: Callable
     """``(model, parallel_dims, ParallelizeOptions) -> model``: TP plan, cp, Ulysses, AC, compile, FSDP."""
+    extension: str = ""
+    """RoPE method its context extension uses when config.json has none (models/extension.py); "": none."""
 
 
 FAMILIES: dict[str, ModelFamily] = {}

@@ -19,4 +19,4 @@ def export_config(args: LlamaArgs, config: dict) -> dict:
 
 
 register(ModelFamily("llama", "LlamaForCausalLM", args_from_config, llama_tensors, export_config,
-                     build_transformer, parallelize_llama))
+                     build_transformer, parallelize_llama, "llama3"))

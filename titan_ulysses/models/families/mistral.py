@@ -23,4 +23,4 @@ def export_config(args: LlamaArgs, config: dict) -> dict:
 
 
 register(ModelFamily("mistral", "MistralForCausalLM", args_from_config, llama_tensors, export_config,
-                     build_transformer, parallelize_llama))
+                     build_transformer, parallelize_llama, "yarn"))

@@ -41,6 +41,6 @@ def qwen3_export(args: LlamaArgs, config: dict) -> dict:
 
 
 register(ModelFamily("qwen2", "Qwen2ForCausalLM", qwen2_args, llama_tensors, qwen2_export,
-                     build_transformer, parallelize_llama))
+                     build_transformer, parallelize_llama, "yarn"))
 register(ModelFamily("qwen3", "Qwen3ForCausalLM", qwen3_args, llama_tensors, qwen3_export,
-                     build_transformer, parallelize_llama))
+                     build_transformer, parallelize_llama, "yarn"))
