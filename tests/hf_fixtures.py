@@ -34,6 +34,13 @@ FAMILY_VARIANTS = {
     # Phi-4-mini: partial rotary, tied, sharded files
     "phi4-partial-tied": ("phi3", dict(partial_rotary_factor=0.5, tie_word_embeddings=True, sliding_window=None,
                                        rope_theta=250000.0, pad_token_id=0), "40KB"),
+    # Gemma 3: a sliding layer (window 7, local base) and a global one (linear scaling), q/k norms,
+    # query_pre_attn_scalar, head_dim 16 != 64 / 8, (1 + w) norms, GeGLU, tied, scaled embeddings
+    "gemma3-local-global": ("gemma3_text", dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=7, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        pad_token_id=0, max_position_embeddings=64), "40KB"),
     # Qwen's long-context recipe: yarn with its attention factor
     "qwen3-yarn": ("qwen3", dict(head_dim=16, rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 8},
@@ -50,6 +57,7 @@ def hf_classes(model_type: str):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[model_type]
 
 

@@ -1,8 +1,8 @@
 """Every family beyond Llama / Qwen equals transformers' own forward: logits, loss and every gradient.
 
 Mistral (Nemo's head_dim, a window shorter than the sequence), Phi-3 (fused qkv / gate_up,
-longrope past the original context), Phi-4-mini (partial rotary, tied, sharded files) and
-Qwen3 with YaRN, loaded from single-file and sharded folders at sp=2 (inside dp_replicate=2),
+longrope past the original context), Phi-4-mini (partial rotary, tied, sharded files),
+Gemma 3 (local and global layers, its own block) and Qwen3 with YaRN, loaded from single-file and sharded folders at sp=2 (inside dp_replicate=2),
 dp_shard=2 x sp=2 and cp=2 x sp=2, all in one 4-rank launch. Weights are random but far from
 the init (tests/hf_fixtures.py) so that a wrong permutation, split or RoPE setting moves the
 logits far beyond the tolerance.
@@ -42,10 +42,10 @@ class WindowReference(nn.Module):
     """Dense causal attention with Hugging Face's window (query i sees keys i-W < j <= i); tests only."""
 
     def forward(self, q, k, v, attention_mask=None, *, scale=None, window=0, softcap=0.0):
-        assert attention_mask is None and window > 0 and not softcap
+        assert attention_mask is None and not softcap
         s = q.shape[1]
         i, j = torch.arange(s)[:, None], torch.arange(s)[None]
-        allowed = (j <= i) & (j > i - window)  # [S, S]
+        allowed = (j <= i) & ((j > i - window) if window else True)  # [S, S]
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D]
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -61,6 +61,7 @@ def folders(tmp_path_factory):
         folder = str(root / name)
         hf = make_hf_model(folder, model_type, overrides, shard)
         inputs, labels = make_batch(0, BATCH, SEQ, hf.config.vocab_size)
+        inputs[:, 5] = 0  # pad_token_id 0 where the config has one: its embedding row gets no gradient
         logits = hf(inputs).logits
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         loss.backward()
@@ -96,7 +97,7 @@ def _families_match(folders: dict) -> None:
             what = f"{name} {layout}"
             with torch.device("meta"):
                 model = build_model(args)
-            if args.sliding_window:
+            if args.sliding_window:  # every layer (Gemma's global ones see all keys: window 0)
                 for block in model.layers.values():
                     block.attention.inner_attention = WindowReference()
             parallelize_model(model, pd, ParallelizeOptions(param_dtype=torch.float32))

@@ -74,10 +74,11 @@ def read_model_record(step_dir: str) -> tuple[LlamaArgs, dict | None] | None:
         return None
     with open(path) as f:
         record = json.load(f)
-    fields = dict(record["args"])
-    if fields.get("rope_scaling") is not None:
-        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-    return LlamaArgs(**fields), record.get("hf_config")
+    fields = {k: v for k, v in record["args"].items() if k not in _RUNTIME_FIELDS}  # older records kept them
+    for key in ("rope_scaling", "local_rope_scaling"):
+        if fields.get(key) is not None:
+            fields[key] = RopeScaling(**fields[key])
+    return get_family(fields.get("family", "llama")).args_class(**fields), record.get("hf_config")
 
 
 # -- config.json -----------------------------------------------------------------------------
@@ -115,10 +116,14 @@ def hf_config(args: LlamaArgs, dtype: torch.dtype, max_position_embeddings: int 
         "torch_dtype": str(dtype).removeprefix("torch."),
         "dtype": str(dtype).removeprefix("torch."),  # the key transformers >= 4.56 reads
     })
-    config.update(family.export_config(args, config))
+    extra = family.export_config(args, config)
+    remove = extra.pop("_remove", ())  # keys the family spells otherwise (Gemma: rope_parameters per layer type)
+    config.update(extra)
     config["rope_scaling"] = rope_config(args)
     if config["rope_scaling"] is None and base is None:
         del config["rope_scaling"]
+    for key in remove:
+        config.pop(key, None)
     return config
 
 

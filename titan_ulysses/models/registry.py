@@ -44,6 +44,8 @@ class ModelFamily:
     """``(model, parallel_dims, ParallelizeOptions) -> model``: TP plan, cp, Ulysses, AC, compile, FSDP."""
     extension: str = ""
     """RoPE method its context extension uses when config.json has none (models/extension.py); "": none."""
+    args_class: type = LlamaArgs
+    """The dataclass of its model arguments (a checkpoint's model_args.json is read back into it)."""
 
 
 FAMILIES: dict[str, ModelFamily] = {}

@@ -91,12 +91,17 @@ def base_args(cfg: dict, family: str, default_head_dim: int | None = None, slidi
             ffn_hidden_dim=int(cfg["intermediate_size"]), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta, rope_scaling=scaling, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             head_dim_override=0 if head_dim * n_heads == dim else head_dim, family=family,
-            rotary_fraction=rotary, sliding_window=int(sliding_window or 0), **flags,
+            rotary_fraction=rotary, sliding_window=int(sliding_window or 0), pad_token_id=_pad(cfg), **flags,
         )
     except KeyError as e:
         raise HFConfigError(f"no {e.args[0]} in config.json") from e
     except (TypeError, ValueError) as e:
         raise HFConfigError(str(e)) from e
+
+
+def _pad(cfg: dict) -> int | None:
+    pad = cfg.get("pad_token_id")
+    return pad if isinstance(pad, int) and 0 <= pad < int(cfg["vocab_size"]) else None
 
 
 def llama_tensors(args: LlamaArgs) -> HFTensors:

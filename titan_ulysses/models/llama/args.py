@@ -66,6 +66,8 @@ class LlamaArgs:
     """Hugging Face ``model_type`` of the model (models/registry.py): its adapter and export config."""
     rotary_fraction: float = 1.0
     """Fraction of each head's features RoPE rotates (Phi-4-mini's ``partial_rotary_factor``)."""
+    pad_token_id: int | None = None
+    """Embedding row that gets no gradient (Hugging Face builds its embedding with this padding_idx)."""
     sliding_window: int = 0
     """Keys a query sees (its own included) on every layer, Hugging Face's ``sliding_window``; 0: all."""
     attn_backend: str = "sdpa"

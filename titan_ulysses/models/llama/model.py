@@ -139,7 +139,7 @@ class Transformer(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, padding_idx=args.pad_token_id)
         # ModuleDict keeps fully-qualified names stable when blocks are wrapped or dropped.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -186,7 +186,7 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         rope = self.rope(positions)
-        h = self.tok_embeddings(tokens)  # [B, S, D]
+        h = self.embed(tokens)  # [B, S, D]
         for layer in self.layers.values():
             h = layer(h, rope, attention_mask)
         h = self.norm(h)
@@ -194,6 +194,9 @@ class Transformer(nn.Module):
         if labels is not None:
             return linear_cross_entropy_sum(h, weight, labels, self.args.loss_chunk_size)
         return F.linear(h, weight)  # [B, S, vocab]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
 
     def init_buffers(self, buffer_device: torch.device | None = None):
         """(Re)compute the non-persistent RoPE frequencies (garbage after ``to_empty``)."""
