@@ -37,6 +37,7 @@ from titan_ulysses.distributed.watchdog import exit_with_launcher, set_timeouts
 from titan_ulysses.metrics.comm import context_parallel_bytes_per_step, ulysses_bytes_per_step
 from titan_ulysses.metrics.flops import flops_per_token, peak_flops
 from titan_ulysses.metrics.logger import MetricsLogger, max_memory_gib
+from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.extension import extend_context
 from titan_ulysses.models.hf_config import describe, load_hf_args, read_hf_config
 from titan_ulysses.models.llama.args import LlamaArgs, get_flavor
@@ -57,13 +58,12 @@ class NonFiniteLossError(RuntimeError):
 def model_args(config: JobConfig, vocab_size: int) -> LlamaArgs:
     m = config.model
     if m.hf_assets_path:
-        args, source = load_hf_args(m.hf_assets_path, attn_backend=m.attn_backend), "model.hf_assets_path"
+        args, source = load_hf_args(m.hf_assets_path), "model.hf_assets_path"
     else:
-        args, source = get_flavor(m.flavor, attn_backend=m.attn_backend), f"model.flavor {m.flavor!r}"
+        args, source = get_flavor(m.flavor), f"model.flavor {m.flavor!r}"
     if vocab_size > args.vocab_size:
         raise ValueError(f"the tokenizer has {vocab_size} ids but {source} has vocab_size {args.vocab_size}")
-    overrides = {"loss_chunk_size": m.loss_chunk_size, "mlp_tile_size": m.mlp_tile_size,
-                 "sdpa_backends": m.sdpa_backends}
+    overrides = {}
     if m.rope_theta > 0:
         overrides["rope_theta"] = m.rope_theta
     max_positions = read_hf_config(m.hf_assets_path).get("max_position_embeddings", 0) if m.hf_assets_path else 0
@@ -156,8 +156,9 @@ class Trainer:
         self.dataloader = self.data.dataloader
 
         self.args = model_args(config, self.tokenizer.vocab_size)
+        self.compute = ComputeOptions.from_config(config.model)  # how it computes (not in the checkpoint)
         with torch.device("meta"):
-            model = build_model(self.args)
+            model = build_model(self.args, self.compute)
         options = ParallelizeOptions(
             ac_mode=config.activation_checkpoint.mode,
             compile=config.compile.enable,
@@ -212,7 +213,7 @@ class Trainer:
         self.peak_flops = peak_flops(self.device)
         # packed rows hold several documents: every backend masks per document (sdpa densely)
         self.use_doc_mask = self.data.packed
-        self.validator = build_validator(config, self.data, self.model, pd, self.device, self.args.attn_backend,
+        self.validator = build_validator(config, self.data, self.model, pd, self.device, self.compute.attn_backend,
                                          self.tokenizer.pad_id, self.accumulation_steps)
         comm_args = (torch.finfo(options.param_dtype).bits // 8, options.ac_mode in ("full", "full_offload"))
         self.a2a_bytes = ulysses_bytes_per_step(
@@ -227,9 +228,9 @@ class Trainer:
             if config.model.hf_assets_path:
                 source = f"{describe(self.args)} (from {config.model.hf_assets_path}/config.json" + (
                     "; weights from its safetensors)" if hf_start else ")")
-            attention = self.args.attn_backend
+            attention = self.compute.attn_backend
             if attention == "sdpa":  # which kernel runs first (model.sdpa_backends)
-                order = sdpa_priority(self.args.sdpa_backends)
+                order = sdpa_priority(self.compute.sdpa_backends)
                 attention += f" ({' > '.join(order)})" if order else " (PyTorch's kernel order)"
             print(
                 f"titan-ulysses: {self.args.num_params() / 1e6:.1f}M params, {source}, "
@@ -281,7 +282,7 @@ class Trainer:
         n_tokens = global_token_count([mb.labels for mb in microbatches], loss_mesh).to(self.device, torch.float32)
         total = torch.zeros((), device=self.device)
         for mb in microbatches:
-            mask = build_attention_mask(self.args.attn_backend, mb.document_ids)
+            mask = build_attention_mask(self.compute.attn_backend, mb.document_ids)
             loss = self.model(mb.tokens, positions=mb.positions, attention_mask=mask, labels=mb.labels) / n_tokens
             loss.backward()
             total += loss.detach()

@@ -185,12 +185,12 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
         raise ValueError("the CPU tracker cannot tell host from device memory: no cpu_offload or full_offload")
     world = layout.dp_shard * layout.cp * layout.sp * layout.tp
     dtype = torch.bfloat16 if switches.act_bytes == 2 else torch.float32
-    args = _with_switches(args, switches)
+    compute = _compute(switches)
     with _fake_world(world), cuda_kernel_choices():
         pd = ParallelDims(dp_shard=layout.dp_shard, cp=layout.cp, sp=layout.sp, tp=layout.tp, world_size=world)
         pd.build_mesh("cpu")
         with torch.device("meta"):
-            model = build_model(args)
+            model = build_model(args, compute)
         parallelize_model(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, param_dtype=dtype))
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
@@ -238,9 +238,9 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
     return StepMemory(peak=peak, phases=poller.phases)
 
 
-def _with_switches(args: LlamaArgs, switches: Switches) -> LlamaArgs:
-    import dataclasses
+def _compute(switches: Switches):
+    from titan_ulysses.models.compute import ComputeOptions
 
     # sdpa: the one backend that trains on CPU (flash_attn is CUDA-only, flex has no CPU backward)
-    return dataclasses.replace(args, loss_chunk_size=switches.loss_chunk_size, mlp_tile_size=switches.mlp_tile_size,
-                               attn_backend="sdpa")
+    return ComputeOptions(loss_chunk_size=switches.loss_chunk_size, mlp_tile_size=switches.mlp_tile_size,
+                          attn_backend="sdpa")

@@ -38,8 +38,9 @@ class ModelFamily:
     """The Hugging Face tensors of a model of these arguments and where each comes from."""
     export_config: Callable[[LlamaArgs, dict], dict]
     """The family's own config.json keys, written over the shared ones by export."""
-    build: Callable[[LlamaArgs], nn.Module]
-    """Builds the (non-distributed) module; call under ``torch.device("meta")`` for big models."""
+    build: Callable[..., nn.Module]
+    """``(args, ComputeOptions | None) ->`` the (non-distributed) module; under ``torch.device("meta")``
+    for big models."""
     parallelize: Callable
     """``(model, parallel_dims, ParallelizeOptions) -> model``: TP plan, cp, Ulysses, AC, compile, FSDP."""
     extension: str = ""
@@ -64,9 +65,9 @@ def get_family(model_type: str) -> ModelFamily:
     return FAMILIES[model_type]
 
 
-def build_model(args: LlamaArgs) -> nn.Module:
-    """The module of ``args.family`` (Llama flavors: "llama")."""
-    return get_family(args.family).build(args)
+def build_model(args: LlamaArgs, compute=None) -> nn.Module:
+    """The module of ``args.family`` (Llama flavors: "llama"), computing as ``compute`` (ComputeOptions) says."""
+    return get_family(args.family).build(args, compute)
 
 
 def parallelize_model(model: nn.Module, parallel_dims, options=None) -> nn.Module:

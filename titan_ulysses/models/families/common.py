@@ -163,7 +163,7 @@ def parallelize_llama(model, parallel_dims, options=None):
     return parallelize(model, parallel_dims, options)
 
 
-def build_transformer(args: LlamaArgs):
+def build_transformer(args: LlamaArgs, compute=None):
     from titan_ulysses.models.llama.model import Transformer
 
-    return Transformer(args)
+    return Transformer(args, compute)

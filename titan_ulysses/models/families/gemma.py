@@ -75,6 +75,10 @@ def hf_tensors(args: LlamaArgs) -> HFTensors:
     return table
 
 
+def _number(x: float):
+    return int(x) if float(x).is_integer() else x  # Gemma3TextConfig types it int
+
+
 def export_config(args: GemmaArgs, config: dict) -> dict:
     from titan_ulysses.models.families.common import rope_config
 
@@ -82,7 +86,7 @@ def export_config(args: GemmaArgs, config: dict) -> dict:
     full = rope_config(args)
     return {
         "_remove": ("hidden_act", "rope_theta", "rope_scaling", "rope_local_base_freq", "sliding_window_pattern"),
-        "hidden_activation": ACT, "query_pre_attn_scalar": args.query_pre_attn_scalar,
+        "hidden_activation": ACT, "query_pre_attn_scalar": _number(args.query_pre_attn_scalar),
         "sliding_window": args.sliding_window or None, "layer_types": list(args.layer_types),
         "attention_bias": False, "final_logit_softcapping": None, "attn_logit_softcapping": None,
         "rope_parameters": {"full_attention": {**(full or {"rope_type": "default"}), "rope_theta": args.rope_theta},
@@ -91,10 +95,10 @@ def export_config(args: GemmaArgs, config: dict) -> dict:
     }
 
 
-def build(args: GemmaArgs):
+def build(args: GemmaArgs, compute=None):
     from titan_ulysses.models.gemma.model import GemmaTransformer
 
-    return GemmaTransformer(args)
+    return GemmaTransformer(args, compute)
 
 
 register(ModelFamily("gemma3_text", "Gemma3ForCausalLM", args_from_config, hf_tensors, export_config, build,

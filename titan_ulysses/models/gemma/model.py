@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.gemma.args import GemmaArgs
 from titan_ulysses.models.llama.model import Attention, FeedForward, Transformer
 from titan_ulysses.models.rope import rope_frequencies
@@ -38,8 +39,8 @@ class GemmaRMSNorm(nn.Module):
 
 
 class GemmaAttention(Attention):
-    def __init__(self, args: GemmaArgs, layer_type: str):
-        super().__init__(args)
+    def __init__(self, args: GemmaArgs, layer_type: str, compute: ComputeOptions):
+        super().__init__(args, compute)
         self.q_norm = GemmaRMSNorm(args.head_dim, args.norm_eps)
         self.k_norm = GemmaRMSNorm(args.head_dim, args.norm_eps)
         self.attention_kwargs = {"scale": args.query_pre_attn_scalar ** -0.5}
@@ -56,11 +57,11 @@ class GeGLU(FeedForward):
 
 
 class GemmaBlock(nn.Module):
-    def __init__(self, layer_id: int, args: GemmaArgs):
+    def __init__(self, layer_id: int, args: GemmaArgs, compute: ComputeOptions):
         super().__init__()
         self.layer_type = args.layer_types[layer_id]
-        self.attention = GemmaAttention(args, self.layer_type)
-        self.feed_forward = GeGLU(args.dim, args.ffn_hidden_dim, args.mlp_tile_size)
+        self.attention = GemmaAttention(args, self.layer_type, compute)
+        self.feed_forward = GeGLU(args.dim, args.ffn_hidden_dim, compute.mlp_tile_size)
         self.attention_norm = GemmaRMSNorm(args.dim, args.norm_eps)
         self.post_attention_norm = GemmaRMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = GemmaRMSNorm(args.dim, args.norm_eps)
@@ -80,9 +81,9 @@ class GemmaBlock(nn.Module):
 
 
 class GemmaTransformer(Transformer):
-    def __init__(self, args: GemmaArgs):
-        super().__init__(args)
-        self.layers = nn.ModuleDict({str(i): GemmaBlock(i, args) for i in range(args.n_layers)})
+    def __init__(self, args: GemmaArgs, compute: ComputeOptions | None = None):
+        super().__init__(args, compute)
+        self.layers = nn.ModuleDict({str(i): GemmaBlock(i, args, self.compute) for i in range(args.n_layers)})
         self.norm = GemmaRMSNorm(args.dim, args.norm_eps)
         inv_freq, self.local_attention_factor = rope_frequencies(args.rotary_dim, args.local_rope_theta,
                                                                  args.local_rope_scaling)

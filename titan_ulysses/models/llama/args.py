@@ -70,17 +70,6 @@ class LlamaArgs:
     """Embedding row that gets no gradient (Hugging Face builds its embedding with this padding_idx)."""
     sliding_window: int = 0
     """Keys a query sees (its own included) on every layer, Hugging Face's ``sliding_window``; 0: all."""
-    attn_backend: str = "sdpa"
-    """Local attention: "sdpa", "flex" or "flash_attn" (see ops/attention.py)."""
-    sdpa_backends: str = "auto"
-    """With "sdpa": the order its kernels are tried in, as model.sdpa_backends (resolved for the
-    machine the model is built on: ops.attention.sdpa_priority)."""
-    mlp_tile_size: int = 0
-    """Tokens per tile of the tiled MLP (0: untiled). Bounds MLP intermediates to one tile."""
-    loss_chunk_size: int = 0
-    """Tokens per chunk of the output projection + cross-entropy when the model computes the
-    loss (0: all logits at once). Bounds logits memory to [loss_chunk_size, vocab]."""
-
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads

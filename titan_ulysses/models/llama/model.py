@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
 from titan_ulysses.models.rope import rope_frequencies
 from titan_ulysses.ops.attention import build_attention
@@ -58,7 +59,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, compute: ComputeOptions):
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
@@ -68,7 +69,7 @@ class Attention(nn.Module):
         # Qwen3: one RMSNorm over head_dim shared by all q heads (and one by all k heads)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.inner_attention = build_attention(args.attn_backend, args.sdpa_backends)
+        self.inner_attention = build_attention(compute.attn_backend, compute.sdpa_backends)
         # only a windowed layer passes window= (the fixed inner_attention interface)
         self.attention_kwargs = {"window": args.sliding_window} if args.sliding_window else {}
 
@@ -115,10 +116,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: LlamaArgs):
+    def __init__(self, layer_id: int, args: LlamaArgs, compute: ComputeOptions):
         super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, args.mlp_tile_size)
+        self.attention = Attention(args, compute)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, compute.mlp_tile_size)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         # depth-scaled init of the projections that write into the residual stream
@@ -136,12 +137,13 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, compute: ComputeOptions | None = None):
         super().__init__()
         self.args = args
+        self.compute = compute = compute or ComputeOptions()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, padding_idx=args.pad_token_id)
         # ModuleDict keeps fully-qualified names stable when blocks are wrapped or dropped.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, compute) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         inv_freq, self.rope_attention_factor = rope_frequencies(args.rotary_dim, args.rope_theta, args.rope_scaling)
@@ -181,7 +183,7 @@ class Transformer(nn.Module):
         under Ulysses each rank passes those of its own slice so RoPE is right everywhere.
         ``attention_mask`` comes from ``ops.attention.build_attention_mask`` (None: causal).
         With ``labels: [B, S]`` the output projection and the loss run together, in chunks
-        of ``args.loss_chunk_size`` tokens when set, so full logits never exist.
+        of ``compute.loss_chunk_size`` tokens when set, so full logits never exist.
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -192,7 +194,7 @@ class Transformer(nn.Module):
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight  # [V, D]
         if labels is not None:
-            return linear_cross_entropy_sum(h, weight, labels, self.args.loss_chunk_size)
+            return linear_cross_entropy_sum(h, weight, labels, self.compute.loss_chunk_size)
         return F.linear(h, weight)  # [B, S, vocab]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
