@@ -33,7 +33,7 @@ def test_every_guide_command_runs(tmp_path):
     for path in ("guide/checkpoint/step-15/.metadata", "guide_1k/checkpoint/step-5/.metadata",
                  "guide_needle.json", "guide_needle.png", "guide_hf/config.json", "guide_hf/model.safetensors",
                  "guide_from_hf/metrics.jsonl",
-                 "guide_sft/checkpoint/step-10/.metadata"):
+                 "guide_sft/checkpoint/step-10/.metadata", "guide_tiny_hf/checkpoint/step-10/.metadata"):
         assert (tmp_path / path).exists(), path
 
 
