@@ -41,6 +41,9 @@ FAMILY_VARIANTS = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
         pad_token_id=0, max_position_embeddings=64), "40KB"),
+    # Gemma 2: soft-capped scores and logits (caps low enough to bite), no q/k norms, one RoPE
+    "gemma2-softcap": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
+                                      attn_logit_softcapping=3.0, final_logit_softcapping=4.0, pad_token_id=0), None),
     # Qwen's long-context recipe: yarn with its attention factor
     "qwen3-yarn": ("qwen3", dict(head_dim=16, rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 8},
@@ -58,6 +61,7 @@ def hf_classes(model_type: str):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     }[model_type]
 
 

@@ -1,6 +1,7 @@
 """What no family here trains exactly is refused from config.json alone, in one line naming the field."""
 
 import pytest
+import torch
 
 from titan_ulysses.models.hf_config import HFConfigError, args_from_hf_config
 
@@ -17,7 +18,7 @@ BASE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hi
      "layer_types contains 'linear_attention': state-space / linear-attention layers are not supported"),
     ({"model_type": "jamba", "mamba_d_state": 16}, "mamba_d_state 16: state-space / linear-attention layers"),
     ({"model_type": "falcon_mamba"}, "model_type 'falcon_mamba': state-space / linear-attention layers"),
-    ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' is not supported (one of ['gemma3_text', 'llama', 'mistral', 'phi3', "
+    ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' is not supported (one of ['gemma2', 'gemma3_text', 'llama', 'mistral', 'phi3', "
                                  "'qwen2', 'qwen3'])"),
     ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for model_type 'llama' (silu)"),
     ({"model_type": "llama", "attention_bias": True}, "attention_bias True is not supported for model_type 'llama'"),
@@ -38,3 +39,29 @@ def test_mistral_window_defaults_as_transformers():
     assert args_from_hf_config({**BASE, "model_type": "mistral"}).sliding_window == 4096
     assert args_from_hf_config({**BASE, "model_type": "mistral", "sliding_window": None}).sliding_window == 0
     assert args_from_hf_config({**BASE, "model_type": "phi3"}).sliding_window == 0
+
+
+def test_a_backend_without_windows_or_softcap_is_refused_by_name(monkeypatch):
+    """Before any process group: the backend must take window= / softcap= where the model needs them."""
+    from titan_ulysses.models.registry import check_compute
+    from titan_ulysses.ops import attention
+
+    windowed = args_from_hf_config({**BASE, "model_type": "mistral", "sliding_window": 16})
+    gemma2 = args_from_hf_config({**BASE, "model_type": "gemma2", "head_dim": 16, "sliding_window": 0})
+    check_compute(args_from_hf_config({**BASE, "model_type": "mistral", "sliding_window": None}), "sdpa")
+    plain = attention.SDPAAttention
+    if "window" not in __import__("inspect").signature(plain.forward).parameters:
+        with pytest.raises(ValueError, match="^model.attn_backend 'sdpa' cannot compute mistral's sliding_window 16 "):
+            check_compute(windowed, "sdpa")
+    if "softcap" not in __import__("inspect").signature(plain.forward).parameters:
+        with pytest.raises(ValueError, match="^model.attn_backend 'sdpa' cannot compute gemma2's "
+                                             "attn_logit_softcapping 50.0"):
+            check_compute(gemma2, "sdpa")
+
+    class Capable(torch.nn.Module):  # a backend that takes both passes
+        def forward(self, q, k, v, attention_mask=None, *, scale=None, window=0, softcap=0.0):
+            return q
+
+    monkeypatch.setattr(attention, "build_attention", lambda *a, **k: Capable())
+    check_compute(windowed, "sdpa")
+    check_compute(gemma2, "sdpa")

@@ -42,14 +42,17 @@ class WindowReference(nn.Module):
     """Dense causal attention with Hugging Face's window (query i sees keys i-W < j <= i); tests only."""
 
     def forward(self, q, k, v, attention_mask=None, *, scale=None, window=0, softcap=0.0):
-        assert attention_mask is None and not softcap
+        assert attention_mask is None
         s = q.shape[1]
         i, j = torch.arange(s)[:, None], torch.arange(s)[None]
         allowed = (j <= i) & ((j > i - window) if window else True)  # [S, S]
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D]
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale).transpose(1, 2)
+        scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)  # [B, H, S, S]
+        if softcap:  # Gemma 2: before the mask
+            scores = softcap * torch.tanh(scores / softcap)
+        return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(1, 2)
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +95,12 @@ def _families_match(folders: dict) -> None:
         dp, dp_rank = pd.get_mesh("dp").size(), pd.get_mesh("dp").get_local_rank()
         for name, folder in folders.items():
             args = load_hf_args(folder)
-            if args.sliding_window and pd.cp > 1:
+            if (args.sliding_window or getattr(args, "attn_softcap", 0)) and pd.cp > 1:
                 continue  # cp windows: the attention backends' work (module docstring)
             what = f"{name} {layout}"
             with torch.device("meta"):
                 model = build_model(args)
-            if args.sliding_window:  # every layer (Gemma's global ones see all keys: window 0)
+            if args.sliding_window or getattr(args, "attn_softcap", 0):  # every layer (global ones: window 0)
                 for block in model.layers.values():
                     block.attention.inner_attention = WindowReference()
             parallelize_model(model, pd, ParallelizeOptions(param_dtype=torch.float32))

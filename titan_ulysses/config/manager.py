@@ -22,6 +22,7 @@ from titan_ulysses.distributed.float8 import Float8Options, check_float8
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import check_heads
 from titan_ulysses.models.extension import extend_context
+from titan_ulysses.models.registry import check_compute
 from titan_ulysses.models.hf_config import load_hf_args
 from titan_ulysses.models.llama.args import get_flavor
 from titan_ulysses.ops.attention import parse_sdpa_backends
@@ -159,6 +160,7 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         f"model.flavor {config.model.flavor!r}")
     try:
         extend_context(args, config.model.rope_scaling_factor, config.model.rope_scaling_type)
+        check_compute(args, config.model.attn_backend)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     try:

@@ -70,6 +70,28 @@ def build_model(args: LlamaArgs, compute=None) -> nn.Module:
     return get_family(args.family).build(args, compute)
 
 
+def check_compute(args: LlamaArgs, attn_backend: str, sdpa_backends: str = "auto") -> None:
+    """Refuse (ValueError, one line) a backend that cannot compute what the model needs (windows, softcap)."""
+    import inspect
+
+    from titan_ulysses.ops.attention import build_attention
+
+    needs = [(kw, what) for kw, what, on in (
+        ("window", f"sliding_window {args.sliding_window}", args.sliding_window),
+        ("softcap", f"attn_logit_softcapping {getattr(args, 'attn_softcap', 0)}", getattr(args, "attn_softcap", 0)),
+    ) if on]
+    if not needs:
+        return
+    try:
+        params = inspect.signature(build_attention(attn_backend, sdpa_backends).forward).parameters
+    except ImportError:  # a backend whose package is missing is refused elsewhere, by name
+        return
+    for kw, what in needs:
+        if kw not in params:
+            raise ValueError(f"model.attn_backend {attn_backend!r} cannot compute {args.family}'s {what} (its "
+                             f"attention takes no {kw}=); use a backend that does")
+
+
 def parallelize_model(model: nn.Module, parallel_dims, options=None) -> nn.Module:
     """Lay ``model`` out on the mesh the way its family does."""
     return get_family(model.args.family).parallelize(model, parallel_dims, options)

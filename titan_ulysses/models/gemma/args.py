@@ -1,4 +1,4 @@
-"""Gemma 3 text model arguments: Llama's, plus what its block does differently."""
+"""Gemma 2 / Gemma 3 text model arguments: Llama's, plus what their block does differently."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ class GemmaArgs(LlamaArgs):
     """RoPE scaling of the sliding layers (None on every Gemma 3 release)."""
     query_pre_attn_scalar: float = 256.0
     """Attention scores are scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5."""
+    attn_softcap: float = 0.0
+    """Gemma 2: scores -> attn_softcap * tanh(scores / attn_softcap) before the mask (0: off)."""
+    final_softcap: float = 0.0
+    """Gemma 2: logits -> final_softcap * tanh(logits / final_softcap) (0: off)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

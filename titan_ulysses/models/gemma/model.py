@@ -1,4 +1,4 @@
-"""Gemma 3 text: Llama's parts with Gemma's differences, as a block of its own.
+"""Gemma 3 text and Gemma 2: Llama's parts with Gemma's differences, as a block of its own.
 
 * RMSNorm scales by ``1 + w`` (weights start at zero), computed in fp32 and then cast;
 * four norms per block: before and after attention, before and after the MLP;
@@ -6,7 +6,8 @@
 * q and k are RMS-normalised per head, scores scaled by ``query_pre_attn_scalar ** -0.5``;
 * "sliding_attention" layers see ``sliding_window`` keys and use the local RoPE base,
   "full_attention" layers see everything and use the global one (with its scaling);
-* embeddings are multiplied by ``sqrt(dim)`` (in their dtype), and tied to the output.
+* embeddings are multiplied by ``sqrt(dim)`` (in their dtype), and tied to the output;
+* Gemma 2: no q/k norms, attention scores and final logits soft-capped (``c * tanh(x / c)``).
 
 Names of the projections (wq ... w3) and of ``inner_attention`` are Llama's, so TP, Ulysses,
 cp, AC, compile and FSDP lay it out unchanged. Nothing here is distributed.
@@ -22,6 +23,7 @@ from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.gemma.args import GemmaArgs
 from titan_ulysses.models.llama.model import Attention, FeedForward, Transformer
 from titan_ulysses.models.rope import rope_frequencies
+from titan_ulysses.ops.loss import cross_entropy_sum
 from titan_ulysses.ops.tiled import tiled_apply
 
 
@@ -41,9 +43,11 @@ class GemmaRMSNorm(nn.Module):
 class GemmaAttention(Attention):
     def __init__(self, args: GemmaArgs, layer_type: str, compute: ComputeOptions):
         super().__init__(args, compute)
-        self.q_norm = GemmaRMSNorm(args.head_dim, args.norm_eps)
-        self.k_norm = GemmaRMSNorm(args.head_dim, args.norm_eps)
+        self.q_norm = GemmaRMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None  # Gemma 3
+        self.k_norm = GemmaRMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.attention_kwargs = {"scale": args.query_pre_attn_scalar ** -0.5}
+        if args.attn_softcap:  # Gemma 2 (backends without softcap are refused by registry.check_compute)
+            self.attention_kwargs["softcap"] = args.attn_softcap
         if layer_type == "sliding_attention" and args.sliding_window:
             self.attention_kwargs["window"] = args.sliding_window
 
@@ -103,6 +107,13 @@ class GemmaTransformer(Transformer):
     def embed(self, tokens):
         h = self.tok_embeddings(tokens)  # [B, S, D]
         return h * torch.tensor(self.args.dim ** 0.5, dtype=h.dtype)  # the scale rounded to h's dtype, as HF
+
+    def head(self, h, weight, labels=None):
+        if not self.args.final_softcap:
+            return super().head(h, weight, labels)
+        c = self.args.final_softcap
+        logits = c * torch.tanh(F.linear(h, weight) / c)  # [B, S, vocab]: all of them (no chunking with softcap)
+        return logits if labels is None else cross_entropy_sum(logits, labels)
 
     def init_buffers(self, buffer_device: torch.device | None = None):
         super().init_buffers(buffer_device)

@@ -193,6 +193,10 @@ class Transformer(nn.Module):
             h = layer(h, rope, attention_mask)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight  # [V, D]
+        return self.head(h, weight, labels)
+
+    def head(self, h, weight, labels=None):
+        """Logits ``[B, S, vocab]`` of the final hidden states, or with ``labels`` the summed loss."""
         if labels is not None:
             return linear_cross_entropy_sum(h, weight, labels, self.compute.loss_chunk_size)
         return F.linear(h, weight)  # [B, S, vocab]
