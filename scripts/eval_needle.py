@@ -29,15 +29,17 @@ import torch
 import torch.distributed as dist
 
 from titan_ulysses.checkpoint.manager import CheckpointManager
-from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.datasets import make_passkey_tokens, random_passkey
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.tokenizer import build_tokenizer
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions
 from titan_ulysses.models.registry import build_model, parallelize_model
+from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.loss import IGNORE_INDEX
-from titan_ulysses.trainer import init_distributed, model_args
+from titan_ulysses.preflight import validate
+from titan_ulysses.trainer import init_distributed
 
 
 def parse_args(argv):
