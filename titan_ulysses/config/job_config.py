@@ -21,7 +21,7 @@ class Model:
     """Size: debugmodel, debugmodel_gqa1, 1B, 3B, 8B, 70B. Not used when hf_assets_path is set."""
     hf_assets_path: str = ""
     """A local Hugging Face model folder (config.json, *.safetensors, tokenizer.json), as
-    `huggingface-cli download` leaves it. When set, the architecture (Llama 3.x, Qwen3, Qwen2/2.5
+    `huggingface-cli download` leaves it. When set, the architecture (any family of models/registry.py
     and every shape) comes from its config.json and model.name / model.flavor are not used.
     Its weights are loaded only with checkpoint.initial_load_in_hf = true."""
     attn_backend: str = "sdpa"
