@@ -176,7 +176,7 @@ def lower_right_case(ctx):
 
 # ---- the memory switches on CUDA -------------------------------------------------------------
 
-def _one_step(ctx, args, tokens, ac_mode: str, compile_: bool = False):
+def _one_step(ctx, args, tokens, ac_mode: str, compile_: bool = False, compute=None):
     """Loss, gradients and peak memory (MiB) of one forward/backward of a fresh, seeded model."""
     from model_harness import clean_name
 
@@ -186,7 +186,7 @@ def _one_step(ctx, args, tokens, ac_mode: str, compile_: bool = False):
     from titan_ulysses.models.llama.model import Transformer
 
     torch.manual_seed(0)
-    model = Transformer(args)
+    model = Transformer(args, compute)
     model.init_weights()
     model.to(ctx.device)
     apply_ac(model, ac_mode)  # the order of parallelize_llama
@@ -235,17 +235,19 @@ def compile_one_step(ctx):
     """
     from model_harness import small_args
 
+    from titan_ulysses.models.compute import ComputeOptions
+
     exact_fp32()
     s = 128 if ctx.dry_run else 4096
-    args = small_args(dim=512 if ctx.cuda else 64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden_dim=1024,
-                      loss_chunk_size=s // 4, mlp_tile_size=s // 4)
+    args = small_args(dim=512 if ctx.cuda else 64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden_dim=1024)
+    compute = ComputeOptions(loss_chunk_size=s // 4, mlp_tile_size=s // 4)
     tokens = torch.randint(0, args.vocab_size, (2, s), generator=torch.Generator().manual_seed(0)).to(ctx.device)
     figures = {}
     modes = ("selective", "full_offload") if ctx.dry_run else ("none", "selective", "full", "full_offload")
     for mode in modes:  # (the dry run: two of them, each compile costs CI seconds)
         torch._dynamo.reset()
-        loss_err, grad_err = _step_errors(_one_step(ctx, args, tokens, mode, compile_=True),
-                                          _one_step(ctx, args, tokens, mode))
+        loss_err, grad_err = _step_errors(_one_step(ctx, args, tokens, mode, compile_=True, compute=compute),
+                                          _one_step(ctx, args, tokens, mode, compute=compute))
         figures[f"{mode}_loss_err"], figures[f"{mode}_grad_err"] = loss_err, grad_err
     ok = all(v < 1e-5 for k, v in figures.items() if k.endswith("loss_err")) and \
         all(v < 1e-4 for k, v in figures.items() if k.endswith("grad_err"))

@@ -81,15 +81,15 @@ def _rank(rank: int, world: int, init_file: str, folder: str, out: str) -> None:
     from titan_ulysses.checkpoint.hf import load_hf_weights
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.models.hf_config import load_hf_args
-    from titan_ulysses.models.llama.model import Transformer
-    from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+    from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+    from titan_ulysses.models.registry import build_model, parallelize_model
 
     args = load_hf_args(folder)
     pd = ParallelDims(dp_shard=world, world_size=world)
     pd.build_mesh("cpu")
     with torch.device("meta"):
-        model = Transformer(args)
-    parallelize_llama(model, pd, ParallelizeOptions(param_dtype=torch.float32))
+        model = build_model(args)
+    parallelize_model(model, pd, ParallelizeOptions(param_dtype=torch.float32))
     model.to_empty(device="cpu")
     model.init_buffers()
     with torch.no_grad():  # touch the shard, so that "before" holds it and the growth is the load's own

@@ -67,7 +67,8 @@ def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int
     import torch
 
     from titan_ulysses.distributed.activation_checkpoint import apply_ac
-    from titan_ulysses.models.llama.model import Transformer
+    from titan_ulysses.models.compute import ComputeOptions
+    from titan_ulysses.models.registry import build_model
 
     if switches.ac_mode == "selective":
         raise SystemExit("--validate on CPU measures through saved-tensor hooks, which selective AC bypasses; "
@@ -75,7 +76,8 @@ def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int
     from titan_ulysses.metrics.memory_track import cuda_kernel_choices
 
     dtype = torch.float32 if switches.act_bytes == 4 else torch.bfloat16
-    model = Transformer(args).to(dtype)
+    compute = ComputeOptions(mlp_tile_size=switches.mlp_tile_size, loss_chunk_size=switches.loss_chunk_size)
+    model = build_model(args, compute).to(dtype)
     apply_ac(model, "full" if switches.ac_mode == "full_offload" else switches.ac_mode)
     with cuda_kernel_choices():  # the kernels CUDA would run (fp32 GQA: kv heads expanded)
         return float(saved_bytes(model, torch.randint(0, args.vocab_size, (batch, seq_len))))
@@ -168,7 +170,8 @@ def main(argv=None) -> int:
     est = estimate(args, layout, switches, t.seq_len, t.local_batch_size)
     device = a.device_memory_gib * GIB
     longest = largest_seq_len(args, layout, switches, 0.9 * device, t.local_batch_size)
-    rec = recommend(args, layout, switches, t.seq_len, t.local_batch_size, a.world_size, BUDGET * device)
+    rec = recommend(args, layout, switches, t.seq_len, t.local_batch_size, a.world_size, BUDGET * device,
+                    config.model.attn_backend)
     result = {"config": a.config, "overrides": overrides, "world_size": a.world_size, "layout": dataclasses.asdict(layout),
               "seq_len": t.seq_len, "local_batch_size": t.local_batch_size, "switches": dataclasses.asdict(switches),
               "bytes": est.as_dict(), "largest_seq_len": longest,

@@ -33,8 +33,9 @@ from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.datasets import make_passkey_tokens, random_passkey
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
-from titan_ulysses.models.llama.model import Transformer
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.models.compute import ComputeOptions
+from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+from titan_ulysses.models.registry import build_model, parallelize_model
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.loss import IGNORE_INDEX
 from titan_ulysses.preflight import validate
@@ -160,9 +161,9 @@ def main(argv=None) -> int:
     pd.build_mesh(device.type)
     args = model_args(config, tokenizer.vocab_size)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args, ComputeOptions.from_config(config.model))
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    parallelize_llama(model, pd, ParallelizeOptions(param_dtype=dtype))
+    parallelize_model(model, pd, ParallelizeOptions(param_dtype=dtype))
     model.to_empty(device=device)
     model.init_buffers(device)
     CheckpointManager(folder=os.path.dirname(a.checkpoint), model=model, optimizer=None, lr_scheduler=None,

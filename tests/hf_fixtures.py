@@ -22,6 +22,36 @@ VARIANTS = {
 }
 
 
+# one per family beyond Llama / Qwen: (model_type, config overrides, max_shard_size, sequence length)
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7], "long_factor": [1.0, 1.9, 3.7, 6.3]}
+FAMILY_VARIANTS = {
+    # Nemo's shape: head_dim 16 while dim / heads is 8; no window (v0.3, Nemo)
+    "mistral-nemo-headdim": ("mistral", dict(head_dim=16, sliding_window=None, rope_theta=1e6), "40KB"),
+    # a window shorter than the sequence (Mistral 7B v0.1, Ministral)
+    "mistral-window": ("mistral", dict(sliding_window=7, tie_word_embeddings=True), None),
+    # longrope beyond the original context (long factors), its attention factor, fused qkv / gate_up
+    "phi3-longrope": ("phi3", dict(rope_scaling=LONGROPE, original_max_position_embeddings=16,
+                                   max_position_embeddings=64, sliding_window=None, pad_token_id=0), None),
+    # Phi-4-mini: partial rotary, tied, sharded files
+    "phi4-partial-tied": ("phi3", dict(partial_rotary_factor=0.5, tie_word_embeddings=True, sliding_window=None,
+                                       rope_theta=250000.0, pad_token_id=0), "40KB"),
+    # Gemma 3: a sliding layer (window 7, local base) and a global one (linear scaling), q/k norms,
+    # query_pre_attn_scalar, head_dim 16 != 64 / 8, (1 + w) norms, GeGLU, tied, scaled embeddings
+    "gemma3-local-global": ("gemma3_text", dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=7, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        pad_token_id=0, max_position_embeddings=64), "40KB"),
+    # Gemma 2: soft-capped scores and logits (caps low enough to bite), no q/k norms, one RoPE
+    "gemma2-softcap": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
+                                      attn_logit_softcapping=3.0, final_logit_softcapping=4.0, pad_token_id=0), None),
+    # Qwen's long-context recipe: yarn with its attention factor
+    "qwen3-yarn": ("qwen3", dict(head_dim=16, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": 8},
+                                 max_position_embeddings=32, rope_theta=10000.0), None),
+}
+
+
 def hf_classes(model_type: str):
     import transformers
 
@@ -29,6 +59,10 @@ def hf_classes(model_type: str):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     }[model_type]
 
 
@@ -41,7 +75,7 @@ def randomize(model, seed: int = 0) -> None:
             p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
         elif name.endswith("bias"):
             p.copy_(0.5 * torch.randn(p.shape, generator=g))
-        elif "q_proj" in name or "k_proj" in name:
+        elif "q_proj" in name or "k_proj" in name or "qkv_proj" in name:
             p.copy_(0.3 * torch.randn(p.shape, generator=g))
         else:
             p.copy_(0.1 * torch.randn(p.shape, generator=g))

@@ -8,12 +8,22 @@ from torch.distributed.tensor import DTensor
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import dist_sum, global_token_count, load_full_state_dict
+from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.llama.args import get_flavor
 from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
 from titan_ulysses.ops.loss import IGNORE_INDEX, cross_entropy_sum
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+RUNTIME_FIELDS = ("attn_backend", "sdpa_backends", "mlp_tile_size", "loss_chunk_size")
+
+
+def split_overrides(overrides: dict) -> tuple[dict, ComputeOptions]:
+    """(model argument overrides, ComputeOptions from the runtime ones) of one mixed dict."""
+    compute = {k: v for k, v in overrides.items() if k in RUNTIME_FIELDS}
+    return {k: v for k, v in overrides.items() if k not in RUNTIME_FIELDS}, ComputeOptions(**compute)
 
 
 def small_args(**overrides):
@@ -47,15 +57,17 @@ def trained_like(model: Transformer, seed: int = 0) -> None:
             p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def build_pair(args, parallel_dims: ParallelDims, options: ParallelizeOptions, trained: bool = False):
-    """The reference model and a parallelized copy with identical weights (``trained``: trained_like)."""
+def build_pair(args, parallel_dims: ParallelDims, options: ParallelizeOptions, compute: ComputeOptions | None = None,
+               trained: bool = False):
+    """The reference model and a parallelized copy with identical weights (both computing as ``compute``
+    says; ``trained``: trained_like)."""
     torch.manual_seed(0)
-    ref = Transformer(args)
+    ref = Transformer(args, compute)
     ref.init_weights()
     if trained:
         trained_like(ref)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(args, compute)
     parallelize_llama(model, parallel_dims, options)
     model.to_empty(device="cpu")
     model.init_buffers()

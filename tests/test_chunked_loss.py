@@ -9,6 +9,7 @@ from model_harness import build_pair, clean_name, full, make_batch, small_args
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import dist_sum
+from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions
 from titan_ulysses.ops.loss import IGNORE_INDEX, linear_cross_entropy_sum
 
@@ -32,8 +33,8 @@ def test_chunked_matches_plain(chunk):
 def _sharded_chunked_loss_matches_reference():
     pd = ParallelDims(sp=2, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
-    args = small_args(loss_chunk_size=3, tie_embeddings=True)
-    ref, model = build_pair(args, pd, ParallelizeOptions(param_dtype=torch.float32))
+    args = small_args(tie_embeddings=True)
+    ref, model = build_pair(args, pd, ParallelizeOptions(param_dtype=torch.float32), ComputeOptions(loss_chunk_size=3))
     inputs, labels = make_batch(0, 2, 13, args.vocab_size)
     n = (labels != IGNORE_INDEX).sum()
     ref_loss = torch.nn.functional.cross_entropy(

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import assert_close, run_distributed
-from model_harness import small_args
+from model_harness import small_args, split_overrides
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import apply_ulysses
@@ -20,8 +20,9 @@ def _compiled_block_matches_eager(overrides):
     pd.build_mesh("cpu")
     sp_mesh = pd.get_mesh("sp")
     torch.manual_seed(0)
-    args = small_args(n_layers=1, **overrides)
-    model = Transformer(args)
+    model_overrides, compute = split_overrides(overrides)
+    args = small_args(n_layers=1, **model_overrides)
+    model = Transformer(args, compute)
     model.init_weights()
     eager, twin = model.layers["0"], copy.deepcopy(model.layers["0"])
     apply_ulysses(eager, sp_mesh)
@@ -62,16 +63,18 @@ def _compiled_memory_switches_match_eager(ac_mode, float8):
     from model_harness import build_pair, clean_name, full, make_batch, parallel_step
 
     from titan_ulysses.distributed.float8 import Float8Options
+    from titan_ulysses.models.compute import ComputeOptions
     from titan_ulysses.models.llama.parallelize import ParallelizeOptions
 
     pd = ParallelDims(sp=2, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
-    args = small_args(n_kv_heads=1, mlp_tile_size=8, loss_chunk_size=8)
+    args = small_args(n_kv_heads=1)
+    compute = ComputeOptions(mlp_tile_size=8, loss_chunk_size=8)
     f8 = Float8Options(emulate=True) if float8 else None
     results = []
     for compile_ in (False, True):
         options = ParallelizeOptions(ac_mode=ac_mode, compile=compile_, param_dtype=torch.float32, float8=f8)
-        _, model = build_pair(args, pd, options)
+        _, model = build_pair(args, pd, options, compute)
         inputs, labels = make_batch(0, 2, 24, args.vocab_size)
         loss, _ = parallel_step(model, pd, inputs, labels)
         results.append((loss, {clean_name(n): full(p.grad) for n, p in model.named_parameters()}))

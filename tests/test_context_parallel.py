@@ -322,8 +322,8 @@ def test_recommend_proposes_cp_only_with_sdpa():
     for backend in ("flex", "flash_attn"):
         # 3M tokens of Qwen2.5-7B's shape on 8 GPUs: nothing fits over 4 ranks without CPU offload;
         # ulysses 8 (heads 4,3,4,3,...) does, on the same backend
-        rec = recommend(get_flavor("8B", attn_backend=backend, **qwen), Layout(dp_shard=8), Switches(),
-                        3145728, 1, 8, 0.9 * 80 * GIB)
+        rec = recommend(get_flavor("8B", **qwen), Layout(dp_shard=8), Switches(),
+                        3145728, 1, 8, 0.9 * 80 * GIB, attn_backend=backend)
         assert rec is not None and rec[1][0] == "--parallelism.ulysses_degree 8", rec[1]
         assert not any("context_parallel" in f or "attn_backend" in f or "cpu_offload" in f for f in rec[1]), rec[1]
 
@@ -336,8 +336,7 @@ def test_recommend_proposes_cp_only_with_sdpa():
     budget = estimate(args, Layout(dp_shard=4, cp=3), lean, 49152).total
     sdpa = recommend(args, Layout(dp_shard=12), Switches(), 49152, 1, 12, budget)
     assert sdpa is not None and sdpa[1][:2] == ["--parallelism.ulysses_degree 1", "--parallelism.context_parallel_degree 3"]
-    flex_args = dataclasses.replace(args, attn_backend="flex")
-    assert estimate(flex_args, Layout(dp_shard=4, sp=3), lean, 49152).total > budget
-    flex = recommend(flex_args, Layout(dp_shard=12), Switches(), 49152, 1, 12, budget)
+    assert estimate(args, Layout(dp_shard=4, sp=3), lean, 49152).total > budget
+    flex = recommend(args, Layout(dp_shard=12), Switches(), 49152, 1, 12, budget, attn_backend="flex")
     assert flex is not None and flex[1][0] == "--parallelism.ulysses_degree 4", flex[1]
     assert not any("context_parallel" in f or "attn_backend" in f for f in flex[1]), flex[1]

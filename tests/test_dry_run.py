@@ -51,7 +51,8 @@ def overrides_for(path: str, stand_ins: dict, dump: str) -> list[str]:
         out += ["--model.hf_assets_path", stand_ins["hf"]]
     if re.search(r"^tokenizer_path\s*=", text, flags=re.M):
         out += ["--model.tokenizer_path", stand_ins["tiktoken"]]
-    if re.search(r"^dataset_path\s*=", text, flags=re.M):
+    named = re.search(r"^dataset_path\s*=\s*\"([^\"]*)\"", text, flags=re.M)
+    if named and not os.path.isfile(os.path.join(ROOT, named.group(1))):  # files shipped in the repo stay
         out += ["--training.dataset_path", stand_ins["corpus"]]
     return out
 

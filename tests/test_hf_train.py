@@ -205,9 +205,9 @@ def test_refusals_name_the_setting_before_any_weight_is_read(trained, tmp_path, 
     assert "model.hf_assets_path: use_sliding_window true (sliding_window 16)" in refusal(hf + [sw])
     for name, cfg, message in [
         ("moe", {"model_type": "qwen3_moe", "num_experts": 8}, "model_type 'qwen3_moe' is a mixture-of-experts model"),
-        ("mistral", {"model_type": "mistral"}, "model_type 'mistral' is not supported"),
-        ("yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
-         "rope_parameters.rope_type 'yarn' is not supported (default or llama3)"),
+        ("unknown", {"model_type": "gpt_neox"}, "model_type 'gpt_neox' is not supported (one of ["),
+        ("hybrid", {"layer_types": ["linear_attention", "full_attention"]},
+         "layer_types contains 'linear_attention': state-space / linear-attention layers are not supported"),
         # the Hub's spelling (transformers < 5): rope_theta + rope_scaling
         ("dynamic", {"rope_parameters": None, "rope_theta": 1e6, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
          "rope_scaling.rope_type 'dynamic' is not supported"),

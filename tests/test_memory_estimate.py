@@ -22,6 +22,7 @@ from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import apply_ulysses
 from titan_ulysses.metrics.memory_estimate import Layout, Switches, estimate
 from titan_ulysses.metrics.memory_track import cuda_kernel_choices
+from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.llama.args import get_flavor
 from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
@@ -55,8 +56,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_saved_activations_match_the_estimate(case):
     overrides, ac, dtype = CASES[case]
-    args = get_flavor("debugmodel", **overrides)
-    model = Transformer(args).to(dtype)
+    args = get_flavor("debugmodel")
+    model = Transformer(args, ComputeOptions(**overrides)).to(dtype)
     apply_ac(model, ac)
     with cuda_kernel_choices():  # fp32 GQA: kv heads expanded for CUDA's non-flash kernels
         measured = saved_bytes(model, torch.randint(0, args.vocab_size, (1, SEQ)))

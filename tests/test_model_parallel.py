@@ -26,6 +26,7 @@ from model_harness import (
     parallel_step,
     reference_step,
     small_args,
+    split_overrides,
 )
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_
@@ -40,8 +41,10 @@ MAX_NORM = 0.05
 def _compare(layout: dict, ac_mode: str, microbatches: int, model_overrides: dict, cpu_offload=False):
     pd = ParallelDims(**layout, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
+    model_overrides, compute = split_overrides(model_overrides)
     args = small_args(**model_overrides)
-    ref, model = build_pair(args, pd, ParallelizeOptions(ac_mode=ac_mode, param_dtype=torch.float32, cpu_offload=cpu_offload))
+    ref, model = build_pair(args, pd, ParallelizeOptions(ac_mode=ac_mode, param_dtype=torch.float32, cpu_offload=cpu_offload),
+                            compute)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, foreach=False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
     ref_params = dict(ref.named_parameters())

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from model_harness import small_args
 from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.llama.model import Transformer
-from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.attention import SDPA_KERNELS, sdpa_priority
 from titan_ulysses.preflight import validate
 
@@ -40,8 +40,8 @@ def test_a_wrong_value_is_refused_naming_the_setting(value, needle):
 
 def test_the_order_is_in_force_at_every_kernel_call_and_restored_after(monkeypatch):
     config = load_config(["--model.sdpa_backends", "cudnn,flash"])
-    args = model_args(config, 256)
-    assert args.sdpa_backends == "cudnn,flash"
+    compute = ComputeOptions.from_config(config.model)
+    assert compute.sdpa_backends == "cudnn,flash"
     seen, original = [], F.scaled_dot_product_attention
 
     def recording(*a, **k):
@@ -51,14 +51,14 @@ def test_the_order_is_in_force_at_every_kernel_call_and_restored_after(monkeypat
     torch.manual_seed(0)
     tokens = torch.randint(0, 256, (2, 16))
     outs = []
-    for setting in (args.sdpa_backends, "auto"):  # "auto" on this CPU machine: PyTorch's order
+    for setting in (compute.sdpa_backends, "auto"):  # "auto" on this CPU machine: PyTorch's order
         torch.manual_seed(0)
-        model = Transformer(small_args(sdpa_backends=setting))
+        model = Transformer(small_args(), ComputeOptions(sdpa_backends=setting))
         model.init_weights()
         monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
         outs.append(model(tokens))
         monkeypatch.setattr(F, "scaled_dot_product_attention", original)
-    wanted = [int(SDPA_KERNELS[n]) for n in sdpa_priority(args.sdpa_backends)]
+    wanted = [int(SDPA_KERNELS[n]) for n in sdpa_priority(compute.sdpa_backends)]
     assert [order[:4] for order in seen[:2]] == [wanted, wanted]  # both layers, in the configured order
     # (then PyTorch's OVERRIDEABLE slot, which no CUDA or CPU kernel uses)
     assert seen[2:] == [list(PYTORCH_ORDER)] * 2  # an empty order leaves PyTorch's alone

@@ -50,6 +50,7 @@ from titan_ulysses.distributed.ulysses import check_heads
 from titan_ulysses.metrics.memory_estimate import GIB, estimate
 from titan_ulysses.metrics.memory_fit import from_config, memory_warning
 from titan_ulysses.models.hf_config import describe
+from titan_ulysses.models.registry import check_compute
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.attention import parse_sdpa_backends
 
@@ -77,6 +78,10 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     args = model_args(config)
     source = f"model.hf_assets_path {config.model.hf_assets_path!r}" if config.model.hf_assets_path else (
         f"model.flavor {config.model.flavor!r}")
+    try:
+        check_compute(args, config.model.attn_backend, config.model.sdpa_backends)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     try:
         check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp, dims.cp)
     except ValueError as e:
@@ -196,7 +201,7 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
     source = (f"{describe(args)} (from {m.hf_assets_path}/config.json)" if m.hf_assets_path
               else f"flavor {m.flavor}")
     lines = [f"dry run: {world_size} rank(s); nothing was started or written",
-             f"model: {args.num_params() / 1e6:.1f}M params, {source}; attention {args.attn_backend}; "
+             f"model: {args.num_params() / 1e6:.1f}M params, {source}; attention {config.model.attn_backend}; "
              f"tokenizer {m.tokenizer} ({tokenizer.vocab_size} ids, model vocab {args.vocab_size})"]
     lines += _layout(config, dims, args)
     lines += [_data(config, tokenizer, kind, path, name)

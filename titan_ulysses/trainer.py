@@ -37,10 +37,11 @@ from titan_ulysses.metrics.logger import MetricsLogger, max_memory_gib
 from titan_ulysses.metrics.loggers.wandb_logger import WandbError
 from titan_ulysses.metrics.progress import RunProgress
 from titan_ulysses.metrics.system import WaitTimer, system_metrics
+from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.hf_config import describe
 from titan_ulysses.models.llama.args import LlamaArgs
-from titan_ulysses.models.llama.model import Transformer
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+from titan_ulysses.models.registry import build_model, parallelize_model
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.attention import build_attention_mask, sdpa_priority
 from titan_ulysses.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
@@ -80,7 +81,7 @@ def init_distributed(fake_world_size: int = 0, timeout_seconds: float | None = N
     return device
 
 
-def init_weights(model: Transformer, args: LlamaArgs, device: torch.device, seed: int, lora: bool = False) -> None:
+def init_weights(model: torch.nn.Module, args: LlamaArgs, device: torch.device, seed: int, lora: bool = False) -> None:
     """Initialise the sharded model so that its weights do not depend on the layout.
 
     On CUDA, DTensor's offset-based RNG makes sharded init equal to unsharded init. On CPU
@@ -89,7 +90,7 @@ def init_weights(model: Transformer, args: LlamaArgs, device: torch.device, seed
     """
     if device.type == "cpu":
         model.init_buffers(device)
-        full = Transformer(args)
+        full = build_model(args)
         torch.manual_seed(seed)
         full.init_weights()
         load_full_state_dict(model, full.state_dict(), strict=not lora)  # LoRA adapters: init_lora
@@ -143,8 +144,9 @@ class Trainer:
         self.dataloader = self.data.dataloader
 
         self.args = model_args(config, self.tokenizer.vocab_size)
+        self.compute = ComputeOptions.from_config(config.model)  # how it computes (not in the checkpoint)
         with torch.device("meta"):
-            model = Transformer(self.args)
+            model = build_model(self.args, self.compute)
         options = ParallelizeOptions(
             ac_mode=config.activation_checkpoint.mode,
             compile=config.compile.enable,
@@ -155,7 +157,8 @@ class Trainer:
             lora=lora_options(config.lora),
         )
         self.float8 = options.float8
-        self.model = parallelize_llama(model, pd, options)
+        self.model = parallelize_model(model, pd, options)
+        self.model.rope_seq_len = t.seq_len  # the full length each rank's slice belongs to (longrope)
         self.model.to_empty(device=self.device)
         c = config.checkpoint
         ckpt_folder = os.path.join(config.job.dump_folder, c.folder)
@@ -182,7 +185,7 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, enable=c.enable, interval=c.interval,
             async_mode=c.async_mode, keep_latest_k=c.keep_latest_k, settings=resume_settings(config),
             timeout_seconds=config.comm.init_timeout_seconds,
-            extras=lambda d: (write_model_record(d, self.args, config.model.hf_assets_path),
+            extras=lambda d: (write_model_record(d, self.args, config.model.hf_assets_path, t.seq_len),
                               write_lora_record(d, options.lora, config.model.hf_assets_path or config.model.flavor)),
         )
         self.step = self.checkpointer.load() if c.enable else 0
@@ -205,7 +208,7 @@ class Trainer:
         self.peak_flops = peak_flops(self.device)
         # packed rows hold several documents: every backend masks per document (sdpa densely)
         self.use_doc_mask = self.data.packed
-        self.validator = build_validator(config, self.data, self.model, pd, self.device, self.args.attn_backend,
+        self.validator = build_validator(config, self.data, self.model, pd, self.device, self.compute.attn_backend,
                                          self.tokenizer.pad_id, self.accumulation_steps)
         comm_args = (torch.finfo(options.param_dtype).bits // 8, options.ac_mode in ("full", "full_offload"))
         self.a2a_bytes = ulysses_bytes_per_step(
@@ -220,9 +223,9 @@ class Trainer:
             if config.model.hf_assets_path:
                 source = f"{describe(self.args)} (from {config.model.hf_assets_path}/config.json" + (
                     "; weights from its safetensors)" if hf_start else ")")
-            attention = self.args.attn_backend
+            attention = self.compute.attn_backend
             if attention == "sdpa":  # which kernel runs first (model.sdpa_backends)
-                order = sdpa_priority(self.args.sdpa_backends)
+                order = sdpa_priority(self.compute.sdpa_backends)
                 attention += f" ({' > '.join(order)})" if order else " (PyTorch's kernel order)"
             print(
                 f"titan-ulysses: {self.args.num_params() / 1e6:.1f}M params, {source}, "
@@ -293,7 +296,7 @@ class Trainer:
         n_tokens = global_token_count([mb.labels for mb in microbatches], loss_mesh).to(self.device, torch.float32)
         total = torch.zeros((), device=self.device)
         for mb in microbatches:
-            mask = build_attention_mask(self.args.attn_backend, mb.document_ids)
+            mask = build_attention_mask(self.compute.attn_backend, mb.document_ids)
             loss = self.model(mb.tokens, positions=mb.positions, attention_mask=mask, labels=mb.labels) / n_tokens
             loss.backward()
             total += loss.detach()

@@ -6,9 +6,10 @@ Face's names by the family's adapter (``hf_adapter.py``) and handed to
 for every local shard, the slice of the stored tensor it covers, and the reader copies
 just that slice out of the memory-mapped file (converting bf16 -> fp32 on the way). No
 rank ever holds the full model. Most tensors are read straight into the parameters.
-The RoPE-ordered ones (q/k weights, biases, norm weights) are read into a buffer of the
-same sharding, gathered one tensor at a time, permuted into our layout and re-sliced
-locally: the transient peak is one full q projection, not the model.
+The RoPE-ordered ones (q/k weights, biases, norm weights) and the fused projections (Phi-3's
+qkv_proj, gate_up_proj) are read whole into a plain buffer, one tensor at a time in DCP's
+plan, split and permuted into our layout and re-sliced locally: the transient peak is one
+full fused projection per such tensor, not the model.
 
 Export (the other direction) lives in ``hf_export.py``.
 """
@@ -27,8 +28,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from titan_ulysses.checkpoint.hf_adapter import (  # noqa: F401 (interleaved_to_halves: public here since export)
     expected_hf_shapes,
     halves_to_interleaved,
+    hf_tensors,
     interleaved_to_halves,
-    name_map,
+    split,
+    theirs_to_ours,
 )
 from titan_ulysses.checkpoint.hf_export import export_hf, hf_config, read_model_weights  # noqa: F401
 from titan_ulysses.models.llama.args import LlamaArgs
@@ -79,13 +82,11 @@ def check_hf_weights(folder: str, args: LlamaArgs) -> None:
                              f"{list(shape)} by config.json")
 
 
-def _to_our_layout(buf: torch.Tensor, heads: int) -> torch.Tensor:
-    """A RoPE-ordered tensor read in Hugging Face's layout, in ours, with the same sharding."""
-    if not isinstance(buf, DTensor):
-        return halves_to_interleaved(buf, heads)
-    full = halves_to_interleaved(buf.full_tensor(), heads)
-    # every rank now holds the full tensor: take the local slice, no communication
-    return distribute_tensor(full, buf.device_mesh, buf.placements, src_data_rank=None)
+def _place_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` sharded as ``like`` is (every rank holds ``full``: a local slice, no communication)."""
+    if not isinstance(like, DTensor):
+        return full.to(like.dtype)
+    return distribute_tensor(full.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)
 
 
 @torch.no_grad()
@@ -95,20 +96,23 @@ def load_hf_weights(model: nn.Module, folder: str, thread_count: int = 1) -> Non
 
     from titan_ulysses.checkpoint.hf_progress import ProgressReader
 
-    names = name_map(model.args)
-    everything = get_model_state_dict(model)
-    state = {k: v for k, v in everything.items() if not k.endswith((".lora_A", ".lora_B"))}
-    hf_state, permuted = {}, {}
-    for ours, tensor in state.items():
-        theirs, heads = names[ours]
-        if heads:
-            permuted[ours] = (torch.empty_like(tensor), heads)
-            hf_state[theirs] = permuted[ours][0]
-        else:
-            hf_state[theirs] = tensor
+    args = model.args
+    state = get_model_state_dict(model)  # LoRA adapters are not in the folder: they keep their values
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    hf_state, transformed = {}, {}
+    for theirs, parts in hf_tensors(args).items():
+        ours, heads = parts[0]
+        if len(parts) == 1 and not heads:
+            hf_state[theirs] = state[ours]  # read straight into the (sharded) parameter
+            continue
+        rows = sum(shapes[o][0] for o, _ in parts)
+        like = state[ours]
+        hf_state[theirs] = torch.empty((rows, *shapes[ours][1:]), dtype=like.dtype,
+                                       device=like.device if not isinstance(like, DTensor) else like.to_local().device)
+        transformed[theirs] = parts
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     dcp.load(hf_state, storage_reader=ProgressReader(folder, thread_count=thread_count, enabled=rank0))
-    for ours, (buf, heads) in permuted.items():
-        state[ours] = _to_our_layout(buf, heads)
-    # LoRA adapters are not in the folder: they keep their values (init_lora or a checkpoint)
-    set_model_state_dict(model, state, options=StateDictOptions(strict=len(state) == len(everything)))
+    for theirs, parts in transformed.items():
+        for (ours, heads), w in zip(parts, split(hf_state[theirs], parts, shapes)):
+            state[ours] = _place_like(theirs_to_ours(w, heads, args), state[ours])
+    set_model_state_dict(model, state, options=StateDictOptions(strict=True))

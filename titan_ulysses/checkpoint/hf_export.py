@@ -23,10 +23,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from titan_ulysses.checkpoint.hf_adapter import interleaved_to_halves, name_map
+from titan_ulysses.checkpoint.hf_adapter import hf_tensors, join, our_shapes, ours_to_theirs
 from titan_ulysses.checkpoint.lora_export import merge, pop_adapters, scaling_of
-from titan_ulysses.models.hf_config import ARCHITECTURES
+from titan_ulysses.models.families.common import rope_config
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
+from titan_ulysses.models.registry import get_family
 
 RECORD = "model_args.json"
 ASSETS = "hf_assets"
@@ -38,9 +39,14 @@ _RUNTIME_FIELDS = ("attn_backend", "sdpa_backends", "mlp_tile_size", "loss_chunk
 # -- the record ------------------------------------------------------------------------------
 
 
-def write_model_record(step_dir: str, args: LlamaArgs, hf_assets_path: str = "") -> None:
-    """Write ``model_args.json`` (and ``hf_assets/`` when the run came from a Hugging Face folder) into a checkpoint."""
+def write_model_record(step_dir: str, args: LlamaArgs, hf_assets_path: str = "", seq_len: int = 0) -> None:
+    """Write ``model_args.json`` (and ``hf_assets/`` when the run came from a Hugging Face folder) into a checkpoint.
+
+    ``seq_len``: the length the run trains at; export raises ``max_position_embeddings`` to it.
+    """
     record = {"args": {k: v for k, v in dataclasses.asdict(args).items() if k not in _RUNTIME_FIELDS}}
+    if seq_len:
+        record["seq_len"] = seq_len
     if hf_assets_path:
         os.makedirs(os.path.join(step_dir, ASSETS), exist_ok=True)
         for name in sorted(os.listdir(hf_assets_path)):
@@ -53,6 +59,15 @@ def write_model_record(step_dir: str, args: LlamaArgs, hf_assets_path: str = "")
         json.dump(record, f, indent=2)
 
 
+def recorded_seq_len(step_dir: str) -> int:
+    """The training length a checkpoint's record names (0: none recorded)."""
+    path = os.path.join(step_dir, RECORD)
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        return int(json.load(f).get("seq_len", 0))
+
+
 def read_model_record(step_dir: str) -> tuple[LlamaArgs, dict | None] | None:
     """(args, source config.json or None) recorded in a checkpoint; None for checkpoints without a record."""
     path = os.path.join(step_dir, RECORD)
@@ -60,22 +75,32 @@ def read_model_record(step_dir: str) -> tuple[LlamaArgs, dict | None] | None:
         return None
     with open(path) as f:
         record = json.load(f)
-    fields = dict(record["args"])
-    if fields.get("rope_scaling") is not None:
-        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-    return LlamaArgs(**fields), record.get("hf_config")
+    fields = {k: v for k, v in record["args"].items() if k not in _RUNTIME_FIELDS}  # older records kept them
+    for key in ("rope_scaling", "local_rope_scaling"):
+        if fields.get(key) is not None:
+            fields[key] = RopeScaling(**fields[key])
+    return get_family(fields.get("family", "llama")).args_class(**fields), record.get("hf_config")
 
 
 # -- config.json -----------------------------------------------------------------------------
 
 
 def hf_config(args: LlamaArgs, dtype: torch.dtype, max_position_embeddings: int = 131072,
-              base: dict | None = None) -> dict:
-    """config.json for ``args``: ``base`` (the source folder's, when there is one) with every shape written over."""
+              base: dict | None = None, trained_seq_len: int = 0) -> dict:
+    """config.json for ``args``: ``base`` (the source folder's, when there is one) with every shape written over.
+
+    ``max_position_embeddings`` is the source's (else the argument), raised to the trained
+    length; with yarn it is ``original x factor``, the length transformers checks yarn's factor against.
+    """
+    family = get_family(args.family)
     config = dict(base or {})
     config.pop("rope_parameters", None)  # written below as rope_theta + rope_scaling, which every version reads
+    max_pos = max(config.get("max_position_embeddings", max_position_embeddings), trained_seq_len)
+    s = args.rope_scaling
+    if s is not None and s.rope_type == "yarn":
+        max_pos = max(int(s.original_max_position_embeddings * s.factor), trained_seq_len)
     config.update({
-        "architectures": [ARCHITECTURES[args.family]],
+        "architectures": [family.architecture],
         "model_type": args.family,
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,
@@ -88,26 +113,18 @@ def hf_config(args: LlamaArgs, dtype: torch.dtype, max_position_embeddings: int 
         "vocab_size": args.vocab_size,
         "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
-        "max_position_embeddings": config.get("max_position_embeddings", max_position_embeddings),
+        "max_position_embeddings": max_pos,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "dtype": str(dtype).removeprefix("torch."),  # the key transformers >= 4.56 reads
     })
-    if args.family in ("llama", "qwen3"):
-        config.update(attention_bias=False)
-    if args.family == "llama":
-        config.update(mlp_bias=False)
-    else:
-        config.update(use_sliding_window=False)
-    config["rope_scaling"] = None
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
-        config["rope_scaling"] = {
-            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        }
-    elif base is None:
+    extra = family.export_config(args, config)
+    remove = extra.pop("_remove", ())  # keys the family spells otherwise (Gemma: rope_parameters per layer type)
+    config.update(extra)
+    config["rope_scaling"] = rope_config(args)
+    if config["rope_scaling"] is None and base is None:
         del config["rope_scaling"]
+    for key in remove:
+        config.pop(key, None)
     return config
 
 
@@ -127,10 +144,7 @@ def _model_metadata(checkpoint_dir: str) -> dict[str, TensorStorageMetadata]:
 
 def check_checkpoint_shapes(found: dict[str, tuple], args: LlamaArgs, what: str) -> None:
     """Refuse (ValueError, one line) a checkpoint whose tensors are not those of a model of ``args``."""
-    from titan_ulysses.models.llama.model import Transformer
-
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    expected = our_shapes(args)
     if expected != found:
         missing = sorted(set(expected) - set(found))[:3]
         extra = sorted(set(found) - set(expected))[:3]
@@ -194,25 +208,28 @@ def export_hf(checkpoint_dir: str, args: LlamaArgs | None, output_dir: str, dtyp
     adapters = pop_adapters(meta)  # a LoRA run's: merged into their base weights below
     scaling = scaling_of(checkpoint_dir, adapters)
     check_checkpoint_shapes({k: tuple(m.size) for k, m in meta.items()}, args, "given (flavor / overrides)")
-    names = name_map(args)
-    sizes = {ours: meta[ours].size.numel() * dtype.itemsize for ours in names}
+    tensors = hf_tensors(args)
+    sizes = {theirs: sum(meta[ours].size.numel() for ours, _ in parts) * dtype.itemsize
+             for theirs, parts in tensors.items()}
     shards = _plan_shards(sizes, max_shard_size)
     os.makedirs(output_dir, exist_ok=True)
     weight_map, written, total = {}, [], 0
     for i, shard in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         state = {}
-        weights = read_model_weights(checkpoint_dir, shard + [n for ours in shard for n in adapters.get(ours, ())])
-        for ours in shard:
-            w = weights[ours]
-            if ours in adapters:
-                w = merge(w, weights[adapters[ours][0]], weights[adapters[ours][1]], scaling)
-            theirs, heads = names[ours]
-            w = interleaved_to_halves(w, heads) if heads else w
-            state[theirs] = w.to(dtype).contiguous()
+        names = [ours for theirs in shard for ours, _ in tensors[theirs]]
+        ours_state = read_model_weights(checkpoint_dir, names + [n for ours in names for n in adapters.get(ours, ())])
+        for theirs in shard:
+            parts = []
+            for ours, heads in tensors[theirs]:
+                w = ours_state.pop(ours)
+                if ours in adapters:  # a LoRA run's adapted weight: W + alpha/rank * B @ A, in our layout
+                    w = merge(w, ours_state.pop(adapters[ours][0]), ours_state.pop(adapters[ours][1]), scaling)
+                parts.append(ours_to_theirs(w, heads, args))
+            state[theirs] = join(parts).to(dtype).contiguous()
             weight_map[theirs] = file
-            total += sizes[ours]
-        del weights
+            total += sizes[theirs]
+        del ours_state
         save_file(state, os.path.join(output_dir, file), metadata={"format": "pt"})
         written.append(file)
         del state
@@ -227,5 +244,5 @@ def export_hf(checkpoint_dir: str, args: LlamaArgs | None, output_dir: str, dtyp
                 shutil.copyfile(os.path.join(assets, name), os.path.join(output_dir, name))
                 written.append(name)
     with open(os.path.join(output_dir, "config.json"), "w") as f:
-        json.dump(hf_config(args, dtype, max_position_embeddings, base), f, indent=2)
+        json.dump(hf_config(args, dtype, max_position_embeddings, base, recorded_seq_len(checkpoint_dir)), f, indent=2)
     return written + ["config.json"]

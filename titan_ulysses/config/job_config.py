@@ -21,7 +21,7 @@ class Model:
     """Size: debugmodel, debugmodel_gqa1, 1B, 3B, 8B, 70B. Not used when hf_assets_path is set."""
     hf_assets_path: str = ""
     """A local Hugging Face model folder (config.json, *.safetensors, tokenizer.json), as
-    `huggingface-cli download` leaves it. When set, the architecture (Llama 3.x, Qwen3, Qwen2/2.5
+    `huggingface-cli download` leaves it. When set, the architecture (any family of models/registry.py
     and every shape) comes from its config.json and model.name / model.flavor are not used.
     Its weights are loaded only with checkpoint.initial_load_in_hf = true."""
     attn_backend: str = "sdpa"
@@ -41,7 +41,13 @@ class Model:
     rope_theta: float = 0.0
     """RoPE base; 0 keeps the flavor's."""
     rope_scaling_factor: float = 0.0
-    """Llama-3.1 RoPE scaling factor (context extension); 0 keeps the flavor's."""
+    """RoPE scaling factor for context extension, by the model's own method (its config.json's
+    rope_scaling type, else llama3 for Llama / flavors, yarn for Qwen and Mistral); 0 keeps the model's."""
+    rope_scaling_type: str = ""
+    """With rope_scaling_factor: the method, "llama3", "yarn" or "linear" ("" : the model's own)."""
+    rope_original_max_position_embeddings: int = 0
+    """With rope_scaling_factor: the length the model was trained at (0: its existing scaling's,
+    else config.json's max_position_embeddings, else 8192 for flavors)."""
     loss_chunk_size: int = 0
     """Tokens per chunk of output projection + loss (0: all logits at once)."""
     mlp_tile_size: int = 0
@@ -302,6 +308,7 @@ class JobConfig:
 CHOICES = {
     "model.name": ("llama3",),
     "model.attn_backend": ("sdpa", "flex", "flash_attn"),
+    "model.rope_scaling_type": ("", "llama3", "yarn", "linear"),
     "model.tokenizer": ("byte", "tiktoken", "hf"),
     "training.dataset": ("passkey", "text", "sft"),
     "training.overlong_samples": ("error", "truncate", "drop"),

@@ -23,6 +23,7 @@ TIMEOUT_MAX_S = 30 * 24 * 3600
 RANGES: dict[str, tuple] = {
     "model.rope_theta": (0, None, True, False),  # 0 keeps the flavor's
     "model.rope_scaling_factor": (0, None, True, False),
+    "model.rope_original_max_position_embeddings": (0, None, True, False),
     "model.loss_chunk_size": (0, None, True, False),
     "model.mlp_tile_size": (0, None, True, False),
     "training.passkey_digits": (1, 9, True, True),

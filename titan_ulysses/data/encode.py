@@ -29,12 +29,21 @@ class TextEncoder:
         return self.tokenizer.encode(text_field(where, row)), None
 
 
+def _text_parts(content) -> bool:
+    """``content`` as transformers' templates also take it: a list of ``{"type": "text", "text": str}`` parts."""
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+
+
 def _check_messages(where, messages, field: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: field {field!r} must be a non-empty list of messages")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: field {field!r} message {i} needs string 'role' and 'content'")
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
+                isinstance(content, str) or _text_parts(content)):
+            raise DataError(f"{where}: field {field!r} message {i} needs string 'role' and 'content' (a string or "
+                            f"a list of {{\"type\": \"text\", \"text\": ...}} parts; other parts are not supported)")
 
 
 class SFTEncoder:

@@ -32,8 +32,8 @@ def from_config(config, dims):
     t = config.training
     dp = dims.size("dp")
     switches = Switches(
-        ac_mode=config.activation_checkpoint.mode, loss_chunk_size=args.loss_chunk_size,
-        mlp_tile_size=args.mlp_tile_size, cpu_offload=t.enable_cpu_offload,
+        ac_mode=config.activation_checkpoint.mode, loss_chunk_size=config.model.loss_chunk_size,
+        mlp_tile_size=config.model.mlp_tile_size, cpu_offload=t.enable_cpu_offload,
         act_bytes=2 if t.mixed_precision_param == "bfloat16" else 4,
         microbatches=resolved_global_batch_size(config, dp) // (t.local_batch_size * dp),
         lora_rank=config.lora.rank,
@@ -41,7 +41,7 @@ def from_config(config, dims):
     return args, Layout(dp_shard=dims.size("dp_shard"), sp=dims.sp, tp=dims.tp, cp=dims.cp), switches
 
 
-def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, budget):
+def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, budget, attn_backend: str = "sdpa"):
     """The first (sp, switches) that fits ``budget`` bytes: (sp, overrides, estimate) or None.
 
     The sequence is split over n ranks, smallest n first. Over n ranks an even Ulysses
@@ -51,7 +51,7 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
     n / sp (every rank does the same attention work), then Ulysses over n ranks with uneven
     head counts (the busiest rank sets the pace, but any backend and document mask works).
     Context parallelism runs on ``model.attn_backend`` sdpa only (``distributed/context_parallel.py``):
-    with another backend (``args.attn_backend``) the uneven split comes first, and a split
+    with another backend (``attn_backend``) the uneven split comes first, and a split
     with cp > 1 comes after every split that keeps the backend, its overrides naming
     ``--model.attn_backend sdpa``.
     FSDP CPU offload (the last switch) moves every parameter over PCIe each step, which
@@ -73,7 +73,7 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
         cp = n // sp
         hybrid = [] if seq_len % (sp if cp == 1 else 2 * cp * sp) else [(sp, cp, flags_for(sp, cp))]
         uneven = [(n, 1, flags_for(n, 1))] if cp > 1 and n <= hq and seq_len % n == 0 else []
-        if cp == 1 or args.attn_backend == "sdpa":
+        if cp == 1 or attn_backend == "sdpa":
             keep += hybrid + uneven
         else:
             keep += uneven
@@ -100,7 +100,8 @@ def memory_warning(config, dims, world_size: int, device_bytes: float) -> str | 
     est = estimate(args, layout, switches, t.seq_len, t.local_batch_size)
     if est.total <= device_bytes:
         return None
-    rec = recommend(args, layout, switches, t.seq_len, t.local_batch_size, world_size, BUDGET * device_bytes)
+    rec = recommend(args, layout, switches, t.seq_len, t.local_batch_size, world_size, BUDGET * device_bytes,
+                    config.model.attn_backend)
     advice = ("no ulysses_degree within the job and no memory switch makes it fit: shorten training.seq_len"
               if rec is None else f"scripts/estimate_memory.py recommends {' '.join(rec[1])} ({rec[2].total / GIB:.1f} GiB)")
     return (f"the memory estimate of this config is {est.total / GIB:.1f} GiB per device, more than the device's "

@@ -1,6 +1,6 @@
 """One training step's memory, measured phase by phase on CPU without computing anything.
 
-``track_step`` builds the model as the trainer does (meta device, ``parallelize_llama``,
+``track_step`` builds the model as the trainer does (meta device, the family's parallelize,
 FSDP2 over the simulated layout), joins PyTorch's fake process group as rank 0 of the
 simulated world, and runs a steady-state step -- forward with the (chunked) loss, backward,
 gradient clipping, the AdamW step, ``zero_grad(set_to_none=True)`` -- under
@@ -178,22 +178,22 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
     from titan_ulysses.distributed.lora import LoRAOptions
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.distributed.utils import clip_grad_norm_
-    from titan_ulysses.models.llama.model import Transformer
-    from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+    from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+    from titan_ulysses.models.registry import build_model, parallelize_model
     from titan_ulysses.optim import build_optimizer
 
     if switches.cpu_offload or switches.ac_mode == "full_offload":
         raise ValueError("the CPU tracker cannot tell host from device memory: no cpu_offload or full_offload")
     world = layout.dp_shard * layout.cp * layout.sp * layout.tp
     dtype = torch.bfloat16 if switches.act_bytes == 2 else torch.float32
-    args = _with_switches(args, switches)
+    compute = _compute(switches)
     with _fake_world(world), cuda_kernel_choices():
         pd = ParallelDims(dp_shard=layout.dp_shard, cp=layout.cp, sp=layout.sp, tp=layout.tp, world_size=world)
         pd.build_mesh("cpu")
         with torch.device("meta"):
-            model = Transformer(args)
+            model = build_model(args, compute)
         lora = LoRAOptions(rank=switches.lora_rank) if switches.lora_rank else None
-        parallelize_llama(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, param_dtype=dtype, lora=lora))
+        parallelize_model(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, param_dtype=dtype, lora=lora))
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             model.init_buffers(torch.device("cpu"))
@@ -240,9 +240,9 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
     return StepMemory(peak=peak, phases=poller.phases)
 
 
-def _with_switches(args: LlamaArgs, switches: Switches) -> LlamaArgs:
-    import dataclasses
+def _compute(switches: Switches):
+    from titan_ulysses.models.compute import ComputeOptions
 
     # sdpa: the one backend that trains on CPU (flash_attn is CUDA-only, flex has no CPU backward)
-    return dataclasses.replace(args, loss_chunk_size=switches.loss_chunk_size, mlp_tile_size=switches.mlp_tile_size,
-                               attn_backend="sdpa")
+    return ComputeOptions(loss_chunk_size=switches.loss_chunk_size, mlp_tile_size=switches.mlp_tile_size,
+                          attn_backend="sdpa")

@@ -12,8 +12,9 @@ import dataclasses
 
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError
-from titan_ulysses.models.hf_config import load_hf_args
-from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling, get_flavor
+from titan_ulysses.models.extension import extend_context
+from titan_ulysses.models.hf_config import load_hf_args, read_hf_config
+from titan_ulysses.models.llama.args import LlamaArgs, get_flavor
 
 
 def model_args(config: JobConfig, vocab_size: int = 0) -> LlamaArgs:
@@ -26,22 +27,24 @@ def model_args(config: JobConfig, vocab_size: int = 0) -> LlamaArgs:
     m = config.model
     if m.hf_assets_path:
         try:
-            args = load_hf_args(m.hf_assets_path, attn_backend=m.attn_backend)
+            args = load_hf_args(m.hf_assets_path)
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.hf_assets_path: {e}") from e
         source = "model.hf_assets_path"
     else:
         try:
-            args = get_flavor(m.flavor, attn_backend=m.attn_backend)
+            args = get_flavor(m.flavor)
         except ValueError as e:
             raise ConfigError(f"model.flavor: {e}") from e
         source = f"model.flavor {m.flavor!r}"
     if vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_size} ids but {source} has vocab_size {args.vocab_size}")
-    overrides = {"loss_chunk_size": m.loss_chunk_size, "mlp_tile_size": m.mlp_tile_size,
-                 "sdpa_backends": m.sdpa_backends}
     if m.rope_theta > 0:
-        overrides["rope_theta"] = m.rope_theta
-    if m.rope_scaling_factor > 0:
-        overrides["rope_scaling"] = dataclasses.replace(args.rope_scaling or RopeScaling(), factor=m.rope_scaling_factor)
-    return dataclasses.replace(args, **overrides)
+        args = dataclasses.replace(args, rope_theta=m.rope_theta)
+    # how the run computes (attention backend, tiles, chunks) is not here: ComputeOptions.from_config
+    max_positions = read_hf_config(m.hf_assets_path).get("max_position_embeddings", 0) if m.hf_assets_path else 0
+    try:
+        return extend_context(args, m.rope_scaling_factor, m.rope_scaling_type, m.rope_original_max_position_embeddings,
+                              max_positions)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e

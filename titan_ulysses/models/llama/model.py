@@ -13,13 +13,13 @@ H heads (local to a tensor-parallel rank), Dh head dim, D model dim.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
+from titan_ulysses.models.rope import rope_frequencies
 from titan_ulysses.ops.attention import build_attention
 from titan_ulysses.ops.loss import linear_cross_entropy_sum
 from titan_ulysses.ops.norm import rms_norm
@@ -27,26 +27,18 @@ from titan_ulysses.ops.tiled import tiled_apply
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling is not None:
-        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-        inv_freq = torch.where(
-            wavelen > low_wavelen,
-            inv_freq / scaling.factor,
-            torch.where(wavelen < high_wavelen, inv_freq, blended),
-        )
-    return inv_freq.float()
+    """RoPE inverse frequencies ``[head_dim / 2]`` (short factors for longrope); see ``models/rope.py``."""
+    return rope_frequencies(head_dim, theta, scaling)[0]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs of ``x: [B, S, H, Dh]`` by the angles of ``cos, sin: [B or 1, S, 1, Dh/2]``."""
+    """Rotate consecutive pairs of ``x: [B, S, H, Dh]`` by the angles of ``cos, sin: [B or 1, S, 1, Dr/2]``.
+
+    With ``Dr < Dh`` (partial rotary) the features past ``Dr`` pass through unrotated.
+    """
+    rotary = 2 * cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     x_ = x.float().unflatten(-1, (-1, 2))  # [B, S, H, Dh/2, 2]
     x0, x1 = x_[..., 0], x_[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
@@ -67,7 +59,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, compute: ComputeOptions):
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
@@ -77,7 +69,9 @@ class Attention(nn.Module):
         # Qwen3: one RMSNorm over head_dim shared by all q heads (and one by all k heads)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.inner_attention = build_attention(args.attn_backend, args.sdpa_backends)
+        self.inner_attention = build_attention(compute.attn_backend, compute.sdpa_backends)
+        # only a windowed layer passes window= (the fixed inner_attention interface)
+        self.attention_kwargs = {"window": args.sliding_window} if args.sliding_window else {}
 
     def forward(self, x, rope, attention_mask):
         b, s, _ = x.shape
@@ -87,7 +81,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = self.inner_attention(q, k, v, attention_mask)  # [B, S, Hq, Dh]
+        out = self.inner_attention(q, k, v, attention_mask, **self.attention_kwargs)  # [B, S, Hq, Dh]
         return self.wo(out.reshape(b, s, -1))
 
     def init_weights(self, std: float):
@@ -122,10 +116,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: LlamaArgs):
+    def __init__(self, layer_id: int, args: LlamaArgs, compute: ComputeOptions):
         super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, args.mlp_tile_size)
+        self.attention = Attention(args, compute)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, compute.mlp_tile_size)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         # depth-scaled init of the projections that write into the residual stream
@@ -143,24 +137,44 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, compute: ComputeOptions | None = None):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.compute = compute = compute or ComputeOptions()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, padding_idx=args.pad_token_id)
         # ModuleDict keeps fully-qualified names stable when blocks are wrapped or dropped.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, compute) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer(
-            "rope_inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), persistent=False
-        )
+        inv_freq, self.rope_attention_factor = rope_frequencies(args.rotary_dim, args.rope_theta, args.rope_scaling)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+        self.longrope = args.rope_scaling is not None and args.rope_scaling.rope_type == "longrope"
+        self.register_buffer("rope_long_inv_freq", self._long_inv_freq(), persistent=False)
+        self.rope_seq_len = 0
+        """Full sequence length for longrope's choice of factors (0: the last of the local positions + 1,
+        right in one process; under Ulysses / cp the trainer sets it to training.seq_len)."""
+
+    def _long_inv_freq(self) -> torch.Tensor | None:
+        args = self.args
+        return rope_frequencies(args.rotary_dim, args.rope_theta, args.rope_scaling, long=True)[0] \
+            if self.longrope else None
 
     def rope(self, positions: torch.Tensor):
-        """cos, sin of ``positions`` ([S] or [B, S], global token indices) as [B or 1, S, 1, Dh/2] fp32."""
+        """cos, sin of ``positions`` ([S] or [B, S], global token indices) as [B or 1, S, 1, Dr/2] fp32."""
         if positions.dim() == 1:
             positions = positions[None]
-        angles = positions[..., None].float() * self.rope_inv_freq  # [B, S, Dh/2]
-        return angles.cos()[:, :, None], angles.sin()[:, :, None]
+        inv_freq = self.rope_inv_freq
+        if self.longrope:  # transformers: long factors once the sequence passes the original context
+            original = self.args.rope_scaling.original_max_position_embeddings
+            if self.rope_seq_len:
+                inv_freq = self.rope_long_inv_freq if self.rope_seq_len > original else inv_freq
+            else:  # like transformers: a traceable choice on the largest position
+                inv_freq = torch.where(positions.max() + 1 > original, self.rope_long_inv_freq, inv_freq)
+        angles = positions[..., None].float() * inv_freq  # [B, S, Dr/2]
+        cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
+        if self.rope_attention_factor != 1.0:  # yarn / longrope scale both (hence q.k by its square)
+            cos, sin = cos * self.rope_attention_factor, sin * self.rope_attention_factor
+        return cos, sin
 
     def forward(self, tokens, positions=None, attention_mask=None, labels=None):
         """``tokens: [B, S]`` -> logits ``[B, S, vocab]``, or with ``labels`` the summed cross-entropy.
@@ -169,25 +183,34 @@ class Transformer(nn.Module):
         under Ulysses each rank passes those of its own slice so RoPE is right everywhere.
         ``attention_mask`` comes from ``ops.attention.build_attention_mask`` (None: causal).
         With ``labels: [B, S]`` the output projection and the loss run together, in chunks
-        of ``args.loss_chunk_size`` tokens when set, so full logits never exist.
+        of ``compute.loss_chunk_size`` tokens when set, so full logits never exist.
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         rope = self.rope(positions)
-        h = self.tok_embeddings(tokens)  # [B, S, D]
+        h = self.embed(tokens)  # [B, S, D]
         for layer in self.layers.values():
             h = layer(h, rope, attention_mask)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight  # [V, D]
+        return self.head(h, weight, labels)
+
+    def head(self, h, weight, labels=None):
+        """Logits ``[B, S, vocab]`` of the final hidden states, or with ``labels`` the summed loss."""
         if labels is not None:
-            return linear_cross_entropy_sum(h, weight, labels, self.args.loss_chunk_size)
+            return linear_cross_entropy_sum(h, weight, labels, self.compute.loss_chunk_size)
         return F.linear(h, weight)  # [B, S, vocab]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
 
     def init_buffers(self, buffer_device: torch.device | None = None):
         """(Re)compute the non-persistent RoPE frequencies (garbage after ``to_empty``)."""
         args = self.args
-        inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
-        self.rope_inv_freq = inv_freq.to(buffer_device or self.rope_inv_freq.device)
+        device = buffer_device or self.rope_inv_freq.device
+        self.rope_inv_freq = rope_frequencies(args.rotary_dim, args.rope_theta, args.rope_scaling)[0].to(device)
+        if self.longrope:
+            self.rope_long_inv_freq = self._long_inv_freq().to(device)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None):

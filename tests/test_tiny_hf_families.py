@@ -1,0 +1,61 @@
+"""scripts/make_tiny_hf.py writes, for every family, a folder that transformers and this trainer both read alike.
+
+Per family: the config parses into the family's arguments and the weights load with the
+logits of transformers' forward; the chat template renders messages (content as a string
+or as a list of text parts) exactly as ``apply_chat_template`` does, and the SFT encoder puts
+the loss on the assistant turns only.
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from titan_ulysses.checkpoint.hf import load_hf_weights
+from titan_ulysses.data.chat import load_chat_template
+from titan_ulysses.data.encode import SFTEncoder
+from titan_ulysses.data.tokenizer import build_tokenizer
+from titan_ulysses.models.hf_config import load_hf_args
+from titan_ulysses.models.registry import build_model, get_family
+
+transformers = pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("make_tiny_hf", os.path.join(ROOT, "scripts", "make_tiny_hf.py"))
+make_tiny_hf = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(make_tiny_hf)
+
+MESSAGES = [
+    {"role": "user", "content": [{"type": "text", "text": "What is 53 + 5?"}]},
+    {"role": "assistant", "content": "53 + 5 = 58."},
+    {"role": "user", "content": "And 2 + 2?"},
+    {"role": "assistant", "content": [{"type": "text", "text": "4."}]},
+]
+
+
+@pytest.mark.parametrize("family", sorted(make_tiny_hf.FAMILIES))
+def test_tiny_folder_loads_renders_and_masks_like_transformers(family, tmp_path):
+    out = str(tmp_path / family)
+    assert make_tiny_hf.main([family, out]) == 0
+    args = load_hf_args(out)
+    assert args.family == family and args.n_layers == 2 and args.dim == 64
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(hf).__name__ == get_family(family).architecture
+    if not args.sliding_window:  # windows run on the attention backends that have them (README)
+        hf.config._attn_implementation = "eager"
+        model = build_model(args)
+        load_hf_weights(model, out)
+        tokens = torch.randint(1, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+
+    reference = transformers.AutoTokenizer.from_pretrained(out)
+    tokenizer = build_tokenizer("hf", out)
+    template = load_chat_template("", tokenizer, out)
+    expected = reference.apply_chat_template(MESSAGES, tokenize=False)
+    assert template.render(MESSAGES) == expected
+    ids, mask = SFTEncoder(tokenizer, template)(f"{family} row", {"messages": MESSAGES})
+    learned = reference.decode([int(i) for i, m in zip(ids, mask) if m])
+    # the two assistant answers and each one's end of turn, nothing of the user turns
+    assert "53 + 5 = 58." in learned and "4." in learned and "What" not in learned and "2 + 2" not in learned
+    assert reference.decode([int(i) for i in ids]) == expected

@@ -1,0 +1,30 @@
+"""How a run computes the model, as opposed to what the model is (``LlamaArgs``).
+
+These settings change memory and speed, never the function the model computes; they are
+not part of a checkpoint's ``model_args.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ComputeOptions:
+    attn_backend: str = "sdpa"
+    """Local attention: "sdpa", "flex" or "flash_attn" (see ops/attention.py)."""
+    sdpa_backends: str = "auto"
+    """With "sdpa": the order its kernels are tried in, as model.sdpa_backends (resolved for the
+    machine the model is built on: ops.attention.sdpa_priority)."""
+    mlp_tile_size: int = 0
+    """Tokens per tile of the tiled MLP (0: untiled). Bounds MLP intermediates to one tile."""
+    loss_chunk_size: int = 0
+    """Tokens per chunk of the output projection + cross-entropy when the model computes the
+    loss (0: all logits at once). Bounds logits memory to [loss_chunk_size, vocab]."""
+
+    @classmethod
+    def from_config(cls, model_config) -> "ComputeOptions":
+        """From the ``[model]`` section of a JobConfig."""
+        m = model_config
+        return cls(attn_backend=m.attn_backend, sdpa_backends=m.sdpa_backends, mlp_tile_size=m.mlp_tile_size,
+                   loss_chunk_size=m.loss_chunk_size)

@@ -1,0 +1,22 @@
+"""Llama 3.x (``model_type`` llama): the Transformer as it is; also every named ``model.flavor``."""
+
+from __future__ import annotations
+
+from titan_ulysses.models.families.common import (
+    base_args, build_transformer, check_common, llama_tensors, parallelize_llama,
+)
+from titan_ulysses.models.llama.args import LlamaArgs
+from titan_ulysses.models.registry import ModelFamily, register
+
+
+def args_from_config(cfg: dict) -> LlamaArgs:
+    check_common(cfg)
+    return base_args(cfg, "llama")
+
+
+def export_config(args: LlamaArgs, config: dict) -> dict:
+    return {"attention_bias": False, "mlp_bias": False}
+
+
+register(ModelFamily("llama", "LlamaForCausalLM", args_from_config, llama_tensors, export_config,
+                     build_transformer, parallelize_llama, "llama3"))

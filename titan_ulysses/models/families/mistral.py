@@ -1,0 +1,26 @@
+"""Mistral (7B v0.3, Nemo with head_dim 128 != dim / heads, Ministral): Llama's block, a window or none.
+
+``sliding_window`` (null on v0.3 and Nemo) applies to every layer: each query sees the
+last ``sliding_window`` keys, itself included, passed as ``window=`` to the attention.
+"""
+
+from __future__ import annotations
+
+from titan_ulysses.models.families.common import (
+    base_args, build_transformer, check_common, llama_tensors, parallelize_llama,
+)
+from titan_ulysses.models.llama.args import LlamaArgs
+from titan_ulysses.models.registry import ModelFamily, register
+
+
+def args_from_config(cfg: dict) -> LlamaArgs:
+    check_common(cfg)
+    return base_args(cfg, "mistral", sliding_window=cfg.get("sliding_window", 4096) or 0)  # MistralConfig's default
+
+
+def export_config(args: LlamaArgs, config: dict) -> dict:
+    return {"sliding_window": args.sliding_window or None}
+
+
+register(ModelFamily("mistral", "MistralForCausalLM", args_from_config, llama_tensors, export_config,
+                     build_transformer, parallelize_llama, "yarn"))

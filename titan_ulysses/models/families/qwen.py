@@ -1,0 +1,46 @@
+"""Qwen2 / Qwen2.5 (q/k/v biases) and Qwen3 (RMSNorm per q/k head, head_dim 128 by default)."""
+
+from __future__ import annotations
+
+from titan_ulysses.models.families.common import (
+    base_args, build_transformer, check_common, llama_tensors, parallelize_llama,
+)
+from titan_ulysses.models.llama.args import LlamaArgs
+from titan_ulysses.models.registry import HFConfigError, ModelFamily, register
+
+
+def _check_window(cfg: dict) -> None:
+    # Qwen's window applies to layers from max_window_layers on; not implemented here
+    if cfg.get("use_sliding_window"):
+        raise HFConfigError(f"use_sliding_window true (sliding_window {cfg.get('sliding_window')}): sliding-window "
+                            f"attention on Qwen layers is not supported; set use_sliding_window false")
+    windowed = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
+    if windowed:
+        raise HFConfigError(f"layer_types contains {windowed[0]!r}: only full_attention layers are supported for "
+                            f"model_type {cfg.get('model_type')!r}")
+
+
+def qwen2_args(cfg: dict) -> LlamaArgs:
+    check_common(cfg, biases=("mlp_bias",))
+    _check_window(cfg)
+    return base_args(cfg, "qwen2", qkv_bias=True)
+
+
+def qwen3_args(cfg: dict) -> LlamaArgs:
+    check_common(cfg)
+    _check_window(cfg)
+    return base_args(cfg, "qwen3", default_head_dim=128, qk_norm=True)
+
+
+def qwen2_export(args: LlamaArgs, config: dict) -> dict:
+    return {"use_sliding_window": False}
+
+
+def qwen3_export(args: LlamaArgs, config: dict) -> dict:
+    return {"use_sliding_window": False, "attention_bias": False}
+
+
+register(ModelFamily("qwen2", "Qwen2ForCausalLM", qwen2_args, llama_tensors, qwen2_export,
+                     build_transformer, parallelize_llama, "yarn"))
+register(ModelFamily("qwen3", "Qwen3ForCausalLM", qwen3_args, llama_tensors, qwen3_export,
+                     build_transformer, parallelize_llama, "yarn"))

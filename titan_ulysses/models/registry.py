@@ -1,0 +1,97 @@
+"""Model families keyed by Hugging Face ``model_type``: everything that differs between them in one entry.
+
+A family says how config.json becomes model arguments, which tensors its safetensors
+hold (names, fused projections, RoPE-ordered rows), what its exported config.json adds,
+which module builds it and how it is laid out on the mesh. The trainer, the memory
+tracker, HF load and export ask :func:`get_family` / :func:`build_model` /
+:func:`parallelize_model`; a new family is one file under ``families/`` and one line in
+``families/__init__.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from titan_ulysses.models.llama.args import LlamaArgs
+
+# Hugging Face name -> the parts of it in order: (our name, heads whose rows are RoPE-ordered or 0).
+# One part: a renamed tensor; several: a fused projection (rows concatenated in this order).
+HFTensors = dict[str, list[tuple[str, int]]]
+
+
+class HFConfigError(ValueError):
+    """config.json describes a model this trainer cannot train exactly; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    model_type: str
+    """config.json's ``model_type``."""
+    architecture: str
+    """The transformers class ``AutoModelForCausalLM`` builds (config.json ``architectures``)."""
+    args_from_config: Callable[[dict], LlamaArgs]
+    """config.json (parsed) -> model arguments; raises HFConfigError naming a field it cannot train."""
+    hf_tensors: Callable[[LlamaArgs], HFTensors]
+    """The Hugging Face tensors of a model of these arguments and where each comes from."""
+    export_config: Callable[[LlamaArgs, dict], dict]
+    """The family's own config.json keys, written over the shared ones by export."""
+    build: Callable[..., nn.Module]
+    """``(args, ComputeOptions | None) ->`` the (non-distributed) module; under ``torch.device("meta")``
+    for big models."""
+    parallelize: Callable
+    """``(model, parallel_dims, ParallelizeOptions) -> model``: TP plan, cp, Ulysses, AC, compile, FSDP."""
+    extension: str = ""
+    """RoPE method its context extension uses when config.json has none (models/extension.py); "": none."""
+    args_class: type = LlamaArgs
+    """The dataclass of its model arguments (a checkpoint's model_args.json is read back into it)."""
+
+
+FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    FAMILIES[family.model_type] = family
+    return family
+
+
+def get_family(model_type: str) -> ModelFamily:
+    import titan_ulysses.models.families  # noqa: F401 (registers them all)
+
+    if model_type not in FAMILIES:
+        raise HFConfigError(f"model_type {model_type!r} is not supported (one of {sorted(FAMILIES)})")
+    return FAMILIES[model_type]
+
+
+def build_model(args: LlamaArgs, compute=None) -> nn.Module:
+    """The module of ``args.family`` (Llama flavors: "llama"), computing as ``compute`` (ComputeOptions) says."""
+    return get_family(args.family).build(args, compute)
+
+
+def check_compute(args: LlamaArgs, attn_backend: str, sdpa_backends: str = "auto") -> None:
+    """Refuse (ValueError, one line) a backend that cannot compute what the model needs (windows, softcap)."""
+    import inspect
+
+    from titan_ulysses.ops.attention import build_attention
+
+    needs = [(kw, what) for kw, what, on in (
+        ("window", f"sliding_window {args.sliding_window}", args.sliding_window),
+        ("softcap", f"attn_logit_softcapping {getattr(args, 'attn_softcap', 0)}", getattr(args, "attn_softcap", 0)),
+    ) if on]
+    if not needs:
+        return
+    try:
+        params = inspect.signature(build_attention(attn_backend, sdpa_backends).forward).parameters
+    except ImportError:  # a backend whose package is missing is refused elsewhere, by name
+        return
+    for kw, what in needs:
+        if kw not in params:
+            raise ValueError(f"model.attn_backend {attn_backend!r} cannot compute {args.family}'s {what} (its "
+                             f"attention takes no {kw}=); use a backend that does")
+
+
+def parallelize_model(model: nn.Module, parallel_dims, options=None) -> nn.Module:
+    """Lay ``model`` out on the mesh the way its family does."""
+    return get_family(model.args.family).parallelize(model, parallel_dims, options)
