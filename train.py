@@ -2,8 +2,8 @@
 
 `python train.py --help` lists every setting with its default and docstring.
 
-A configuration error, or a dump folder in use by another run, ends every rank with exit code 2
-and one line on stderr, printed by rank 0 only (every rank finds the same error; the others wait
+A configuration error, a dump folder in use by another run, or a run whose checkpoints are all
+damaged ends every rank with exit code 2 and one line on stderr, printed by rank 0 only (every rank finds the same error; the others wait
 a moment so that rank 0 is the failure torchrun reports). Under torchrun
 the launcher then reports the failed workers (``exitcode: 2``) and exits 1 itself: torchrun
 exits 1 whenever a worker fails.
@@ -31,14 +31,14 @@ def main(argv: list[str]) -> int:
         print(format_help())
         return 0
 
-    from titan_ulysses.checkpoint.lock import FolderInUseError
+    from titan_ulysses.checkpoint.errors import RunRefused  # a folder in use, every checkpoint damaged
 
     try:
         config = load_config(argv)
         from titan_ulysses.trainer import Trainer
 
         trainer = Trainer(config)
-    except (ConfigError, DataError, FolderInUseError) as e:
+    except (ConfigError, DataError, RunRefused) as e:
         if os.environ.get("RANK", "0") == "0":
             kind = "config error" if isinstance(e, ConfigError) else "data error" if isinstance(e, DataError) else "refused"
             print(f"{kind}: {e}", file=sys.stderr, flush=True)

@@ -13,10 +13,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from titan_ulysses.checkpoint.hf import load_hf_weights
 from titan_ulysses.checkpoint.hf_export import write_model_record
 from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
-from titan_ulysses.checkpoint.manager import CheckpointManager, complete_steps
+from titan_ulysses.checkpoint.manager import CheckpointManager
+from titan_ulysses.checkpoint.weight_source import load_start_weights
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import (
     ConfigError,
@@ -140,6 +140,7 @@ class Trainer:
         if not self.fake:
             set_timeouts(config.comm.init_timeout_seconds)  # the mesh's groups took gloo's 30-minute default
         self.lock = self._lock_dump_folder()
+        self.checkpoint_lock = self._lock_checkpoint_folder()
         t = config.training
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -169,12 +170,7 @@ class Trainer:
         self.model.to_empty(device=self.device)
         c = config.checkpoint
         ckpt_folder = os.path.join(config.job.dump_folder, c.folder)
-        # a run started from Hugging Face weights that has no checkpoint of its own yet
-        hf_start = c.initial_load_in_hf and not (c.enable and complete_steps(ckpt_folder))
-        if hf_start:
-            self.model.init_buffers(self.device)  # every weight comes from the folder below
-        else:
-            init_weights(self.model, self.args, self.device, t.seed)
+        self.model.init_buffers(self.device)  # the weights come from load_start_weights below
 
         o = config.optimizer
         # with CPU offload the optimizer steps on host-resident shards
@@ -191,14 +187,10 @@ class Trainer:
             timeout_seconds=config.comm.init_timeout_seconds,
             extras=lambda d: write_model_record(d, self.args, config.model.hf_assets_path),
         )
-        self.step = self.checkpointer.load() if c.enable else 0
-        if hf_start:
-            load_hf_weights(self.model, config.model.hf_assets_path)
-        if self.step == 0 and c.initial_load_path:
-            if c.initial_load_model_only:
-                self.checkpointer.load_model_only(c.initial_load_path)
-            else:
-                self.step = self.checkpointer.load_from(c.initial_load_path)
+        # one decision: this run's newest good checkpoint, initial_load_path, the HF folder, random init
+        self.weights = load_start_weights(config, self.checkpointer, self.model,
+                                          lambda: init_weights(self.model, self.args, self.device, t.seed))
+        self.step = self.weights.step
         resumed = ""
         if self.step > 0:  # the config wins over the restored optimizer and schedule
             apply_hyperparameters(self.optimizer, self.lr_scheduler, o.lr, o.weight_decay, o.eps, (o.beta1, o.beta2))
@@ -222,8 +214,8 @@ class Trainer:
         if self.rank == 0:
             source = f"flavor {config.model.flavor}"
             if config.model.hf_assets_path:
-                source = f"{describe(self.args)} (from {config.model.hf_assets_path}/config.json" + (
-                    "; weights from its safetensors)" if hf_start else ")")
+                source = f"{describe(self.args)} (from {config.model.hf_assets_path}/config.json)"
+            source += f", weights from {self.weights.describe()}"
             attention = self.args.attn_backend
             if attention == "sdpa":  # which kernel runs first (model.sdpa_backends)
                 order = sdpa_priority(self.args.sdpa_backends)
@@ -239,12 +231,25 @@ class Trainer:
                 + "".join(f"\nnote: {n}" for n in [uneven_note(self.args.n_heads, self.args.n_kv_heads, pd.sp, pd.tp)] if n),
                 flush=True,
             )
+            if self.step >= t.steps:
+                print(f"all {t.steps} steps of training.steps are done ({self.weights.describe()}); nothing to "
+                      f"train: raise training.steps to go on", flush=True)
 
-    def _lock_dump_folder(self) -> RunLock | None:
+    def _lock_checkpoint_folder(self) -> RunLock | None:
+        """A checkpoint.folder outside the dump folder (an absolute path) gets a lock of its own:
+        two dump folders naming the same one must not resume and save into it together."""
+        c, dump = self.config.checkpoint, self.config.job.dump_folder
+        folder = os.path.join(dump, c.folder)
+        inside = os.path.realpath(folder).startswith(os.path.realpath(dump) + os.sep)
+        if not c.enable or inside:
+            return None
+        return self._lock_dump_folder(folder, "checkpoint.folder")
+
+    def _lock_dump_folder(self, folder: str = "", setting: str = "job.dump_folder") -> RunLock | None:
         """Rank 0 takes the dump folder's lock for the life of the run; a refusal reaches every rank."""
         lock, error = None, None
         if self.rank == 0:
-            lock = RunLock(self.config.job.dump_folder)
+            lock = RunLock(folder or self.config.job.dump_folder, setting)
             try:
                 note = lock.acquire()
                 if note:
@@ -379,8 +384,9 @@ class Trainer:
         finally:
             self.checkpointer.close()
             self.metrics.close()
-            if self.lock is not None:
-                self.lock.release()
+            for lock in (self.checkpoint_lock, self.lock):
+                if lock is not None:
+                    lock.release()
 
     def _preempted_anywhere(self) -> bool:
         """A signal may reach only some ranks: agree on it so that all of them save together."""

@@ -14,6 +14,7 @@ except ImportError:  # Python < 3.11
 
 from titan_ulysses.checkpoint.hf import check_hf_weights
 from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
+from titan_ulysses.checkpoint.weight_source import hf_weights_wanted
 from titan_ulysses.config.job_config import CHOICES, JobConfig
 from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.config.ranges import check_ranges
@@ -79,7 +80,10 @@ def _set(config: JobConfig, key: str, value) -> None:
     kinds = _fields(obj)
     if name not in kinds:
         raise _unknown(key, config)
-    value = _convert(key, value, kinds[name])
+    kind = kinds[name]
+    if type(None) in typing.get_args(kind):  # `bool | None`: unset by default, a value when given
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    value = _convert(key, value, kind)
     if key in CHOICES and value not in CHOICES[key]:
         raise ConfigError(f"{key} {value!r} is not one of {list(CHOICES[key])}")
     setattr(obj, name, value)
@@ -232,11 +236,12 @@ def check_files(config: JobConfig) -> None:
             hf_tokenizer_file(m.tokenizer_path or m.hf_assets_path)
         except FileNotFoundError as e:
             raise ConfigError(f"model.{'tokenizer_path' if m.tokenizer_path else 'hf_assets_path'}: {e}") from e
-    if c.initial_load_in_hf:
+    if hf_weights_wanted(config):
         try:
             check_hf_weights(m.hf_assets_path, args)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"checkpoint.initial_load_in_hf: model.hf_assets_path {m.hf_assets_path!r}: {e}") from e
+            unset = "" if c.initial_load_in_hf else " (set checkpoint.initial_load_in_hf false to use its architecture only)"
+            raise ConfigError(f"checkpoint.initial_load_in_hf: model.hf_assets_path {m.hf_assets_path!r}: {e}{unset}") from e
     if c.initial_load_path:
         try:
             check_dcp_model_shapes(c.initial_load_path, args)
