@@ -8,6 +8,7 @@ Hugging Face folder whose checkpoints were damaged trained from random weights.
 """
 
 import os
+import re
 import shutil
 
 import pytest
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from test_trainer import BASE, layout
-from titan_ulysses.config.manager import load_config
+from titan_ulysses.config.manager import ConfigError, check_files, load_config
 
 FAST = BASE + layout(sp=2) + ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--training.seed", "7"]
 
@@ -66,12 +67,16 @@ def _random_init(args, seed):
     return model.state_dict()
 
 
-def _refuses_until_asked(argv, folder, capfd, source_line):
-    """Every checkpoint damaged: refused (twice: the .bad folders keep it so); allow_fresh_start starts over."""
-    _run(argv + ["--training.steps", "2"], folder, train=True)
+def _refuses_until_asked(argv, folder, capfd, source_line, keep=None, trained=False, refusals=2):
+    """Every checkpoint damaged: refused (again on a rerun: the .bad folders keep it so); allow_fresh_start
+    starts over."""
+    if not trained:
+        _run(argv + ["--training.steps", "2"], folder, train=True)
+    if keep:
+        shutil.copytree(folder / "checkpoint" / "step-2", keep)
     _damage_every_checkpoint(folder)
     capfd.readouterr()
-    for _ in range(2):
+    for _ in range(refusals):
         with pytest.raises(Exception, match=r"every checkpoint of this run is damaged \(step-2\.bad, step-1\.bad in "
                                             r".*; or start over from .* with --checkpoint\.allow_fresh_start true"):
             _run(argv + ["--training.steps", "4"], folder)
@@ -87,18 +92,38 @@ def test_flavor_run_and_initial_load_path_with_every_checkpoint_damaged(tmp_path
     from titan_ulysses.checkpoint.hf_export import read_model_weights
     from titan_ulysses.models.llama.args import get_flavor
 
-    # a flavor run: its fresh start is the random init of training.seed, said as such
+    short = []  # BASE: seq_len 128, the shortest a byte-level passkey sample fits
     a = tmp_path / "a"
-    saved = _refuses_until_asked([], a, capfd, "random init (training.seed 7")
+    capfd.readouterr()
+    _run(short + ["--training.steps", "2"], a, train=True)
+    out = capfd.readouterr().out
+    for step in (1, 2):  # a line per committed checkpoint: step, path, size, seconds
+        assert re.search(rf"checkpoint: committed step {step} to {a}/checkpoint/step-{step} \(\d+\.\d MiB, "
+                         rf"\d+\.\d s\)", out), out[-2000:]
+    _run(short + ["--training.steps", "2"], a, train=True)  # rerun of a finished run
+    assert "all 2 steps of training.steps are done (step-2 of this run" in capfd.readouterr().out
+    start = tmp_path / "start" / "step-2"
+    shutil.copytree(a / "checkpoint" / "step-2", start)
+
+    # refusals of a start checkpoint name the fix: the steps that exist, the flavor it records
+    def refusal(*argv):
+        with pytest.raises(ConfigError) as e:
+            check_files(load_config([*BASE, *argv]))
+        return str(e.value)
+
+    assert refusal("--checkpoint.initial_load_path", str(a / "checkpoint" / "step-41")) == (
+        f"checkpoint.initial_load_path: '{a}/checkpoint/step-41' does not exist; the complete checkpoints in "
+        f"{a}/checkpoint are step-1, step-2")
+    assert refusal("--checkpoint.initial_load_path", str(start), "--model.flavor", "debugmodel_gqa1").endswith(
+        "it records model.flavor 'debugmodel': set --model.flavor debugmodel")
+
+    # a flavor run: its fresh start is the random init of training.seed, said as such
+    saved = _refuses_until_asked(short, a, capfd, "random init (training.seed 7", trained=True)
     _assert_same(saved, _random_init(get_flavor("debugmodel"), 7))
 
     # a run from another run's checkpoint: its fresh start is that checkpoint's weights again
-    start = tmp_path / "start" / "step-2"
-    _run(["--training.steps", "2"], tmp_path / "source", train=True)
-    shutil.copytree(tmp_path / "source" / "checkpoint" / "step-2", start)
-    b = tmp_path / "b"
-    saved = _refuses_until_asked(["--checkpoint.initial_load_path", str(start)], b, capfd,
-                                 f"checkpoint.initial_load_path {start} (model only)")
+    saved = _refuses_until_asked(short + ["--checkpoint.initial_load_path", str(start)], tmp_path / "b", capfd,
+                                 f"checkpoint.initial_load_path {start} (model only)", refusals=1)
     expected = read_model_weights(str(start))
     _assert_same(saved, expected)
     assert not torch.equal(expected["tok_embeddings.weight"], _random_init(get_flavor("debugmodel"), 7)[
@@ -129,8 +154,19 @@ def test_hf_folder_weights_by_default_and_after_every_checkpoint_is_damaged(tmp_
     # no initial_load_in_hf: a folder with weights is where the run starts (bug 2); after every
     # checkpoint is damaged, the fresh start is those weights again, never a random init (bug 1)
     hf = ["--model.hf_assets_path", str(hf_folder)]
-    saved = _refuses_until_asked(hf, tmp_path / "run", capfd, f"the Hugging Face folder {hf_folder}")
+    step2 = tmp_path / "kept" / "step-2"
+    saved = _refuses_until_asked(hf, tmp_path / "run", capfd, f"the Hugging Face folder {hf_folder}", keep=step2)
     _assert_same(saved, _hf_weights(hf_folder))
+
+    # context extension from that run's step-2 needs no model.hf_assets_path: its record gives the architecture
+    _run(["--checkpoint.initial_load_path", str(step2), "--training.seq_len", "256", "--checkpoint.enable", "false"],
+         tmp_path / "longer", tmp_path / "longer.pt")
+    out = capfd.readouterr().out
+    assert f"LlamaForCausalLM 2 layers, dim 64" in out and f"weights from checkpoint.initial_load_path {step2}" in out
+    assert f"the architecture is that of the start checkpoint ({step2}/hf_assets)" in out, out[-2000:]
+    from titan_ulysses.checkpoint.hf_export import read_model_weights
+
+    _assert_same(tmp_path / "longer.pt", read_model_weights(str(step2)))
 
 
 def test_initial_load_in_hf_false_means_the_architecture_only(tmp_path, capfd, hf_folder):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from titan_ulysses.checkpoint.hf_export import write_model_record
 from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
 from titan_ulysses.checkpoint.manager import CheckpointManager
-from titan_ulysses.checkpoint.weight_source import load_start_weights
+from titan_ulysses.checkpoint.weight_source import adopt_start_record, load_start_weights
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import (
     ConfigError,
@@ -116,6 +116,7 @@ def init_weights(model: Transformer, args: LlamaArgs, device: torch.device, seed
 class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
+        record_note = adopt_start_record(config)  # before validation: it may give the architecture
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.parallel_dims: ParallelDims = validate(config, world_size)  # before any process group work
         check_files(config)
@@ -228,7 +229,8 @@ class Trainer:
                 + resumed
                 + (f"\nFAKE process group: rank 0 of {dist.get_world_size()}; memory and compute are real, "
                    f"losses are not" if self.fake else "")
-                + "".join(f"\nnote: {n}" for n in [uneven_note(self.args.n_heads, self.args.n_kv_heads, pd.sp, pd.tp)] if n),
+                + "".join(f"\nnote: {n}" for n in [uneven_note(self.args.n_heads, self.args.n_kv_heads, pd.sp, pd.tp),
+                                                     record_note] if n),
                 flush=True,
             )
             if self.step >= t.steps:

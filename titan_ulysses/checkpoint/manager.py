@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 import shutil
 import sys
 import time
@@ -48,10 +47,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from titan_ulysses.checkpoint import manifest
 from titan_ulysses.checkpoint.safety import explain_save_error, nonfinite_tensors, set_aside, state_bytes
 from titan_ulysses.checkpoint.state import training_state
+from titan_ulysses.checkpoint.steps import STEP_DIR as _STEP_DIR
+from titan_ulysses.checkpoint.steps import complete_steps, missing_checkpoint  # noqa: F401 (complete_steps: public here)
 from titan_ulysses.data.sources import DataError
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 LOAD_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException is a BaseException
 
 
@@ -71,31 +71,6 @@ def _publish(tmp: str, final: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def complete_steps(folder: str) -> list[int]:
-    """Steps with a complete checkpoint in ``folder``, ascending (``.tmp`` leftovers never count)."""
-    if not os.path.isdir(folder):
-        return []
-    steps = []
-    for name in os.listdir(folder):
-        match = _STEP_DIR.match(name)
-        if match and os.path.isfile(os.path.join(folder, name, ".metadata")):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
-def missing_checkpoint(path: str, setting: str = "checkpoint.initial_load_path") -> str | None:
-    """Why ``path`` is not a complete checkpoint (naming the steps that do exist beside it), or None."""
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        return None
-    parent = os.path.dirname(os.path.normpath(path))
-    steps = complete_steps(parent)
-    there = (f"the complete checkpoints in {parent} are {', '.join(f'step-{s}' for s in steps)}" if steps
-             else f"{parent} holds no complete checkpoint")
-    if not os.path.exists(path):
-        return f"{path!r} does not exist; {there}"
-    return f"{path!r} is not a complete checkpoint (no .metadata); point {setting} at a step-N folder; {there}"
 
 
 def _check(path: str) -> None:

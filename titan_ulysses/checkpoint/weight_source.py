@@ -78,6 +78,27 @@ def fresh_source(config) -> WeightSource:
     return WeightSource("random", seed=config.training.seed)
 
 
+def adopt_start_record(config) -> str | None:
+    """Take the architecture of a ``checkpoint.initial_load_path`` from the checkpoint's own record.
+
+    A checkpoint of a run started from a Hugging Face folder carries that folder's config.json
+    and tokenizer files (``hf_assets/``): without ``model.hf_assets_path``, the run uses them
+    (context extension needs no second flag). Sets ``config.model.hf_assets_path``; returns a
+    note for the start-up line, or None when nothing was taken. Checkpoints of flavor runs keep
+    ``model.flavor``; a mismatch is refused by the shape check, naming the flavor recorded.
+    """
+    from titan_ulysses.checkpoint.hf_export import ASSETS
+
+    c, m = config.checkpoint, config.model
+    if not c.initial_load_path or m.hf_assets_path:
+        return None
+    assets = os.path.join(c.initial_load_path, ASSETS)
+    if not os.path.isfile(os.path.join(assets, "config.json")):
+        return None
+    m.hf_assets_path = assets
+    return f"model.hf_assets_path not set: the architecture is that of the start checkpoint ({assets})"
+
+
 def damaged_checkpoints(folder: str) -> list[str]:
     """The ``step-N.bad`` folders set aside in ``folder``, newest step first."""
     if not os.path.isdir(folder):
