@@ -66,6 +66,18 @@ def read_model_record(step_dir: str) -> tuple[LlamaArgs, dict | None] | None:
     return LlamaArgs(**fields), record.get("hf_config")
 
 
+def read_data_settings(checkpoint_dir: str) -> dict | None:
+    """The data settings a checkpoint was trained with (seq_len, dataset, tokenizer, ...), None when unrecorded."""
+    key = "dataloader.dataset_state.data_settings"
+    if key not in FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata:
+        return None
+    state = {"dataloader": {"dataset_state": {"data_settings": ""}}}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=checkpoint_dir, no_dist=True)
+    return json.loads(state["dataloader"]["dataset_state"]["data_settings"])
+
+
 # -- config.json -----------------------------------------------------------------------------
 
 
