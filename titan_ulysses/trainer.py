@@ -242,7 +242,8 @@ class Trainer:
         two dump folders naming the same one must not resume and save into it together."""
         c, dump = self.config.checkpoint, self.config.job.dump_folder
         folder = os.path.join(dump, c.folder)
-        inside = os.path.realpath(folder).startswith(os.path.realpath(dump) + os.sep)
+        real, dump_real = os.path.realpath(folder), os.path.realpath(dump)
+        inside = real == dump_real or real.startswith(dump_real + os.sep)  # the dump folder's lock covers it
         if not c.enable or inside:
             return None
         return self._lock_dump_folder(folder, "checkpoint.folder")
