@@ -2,6 +2,10 @@
 
 `python train.py --help` lists every setting with its default and docstring.
 
+`python train.py --config X --dry-run --world-size N [--device-memory-gib G] [--section.key value ...]`
+runs every check a launch makes for N ranks, without a process group, prints the plan and
+exits 0, or prints the one-line refusal and exits 2 (``titan_ulysses/preflight.py``'s ``plan``).
+
 A configuration error, a dump folder in use by another run, or a run whose checkpoints are all
 damaged ends every rank with exit code 2 and one line on stderr, printed by rank 0 only (every rank finds the same error; the others wait
 a moment so that rank 0 is the failure torchrun reports). Under torchrun
@@ -22,6 +26,36 @@ from titan_ulysses.data.sources import DataError
 
 EXIT_REFUSED = 2
 RANK0_FIRST_S = 3.0
+DRY_RUN_OPTIONS = {"--world-size": int, "--device-memory-gib": float}  # only with --dry-run
+
+
+def dry_run_options(argv: list[str]) -> tuple[list[str], dict | None]:
+    """(the config's arguments, the dry run's options or None when ``--dry-run`` is absent)."""
+    rest, options, i = [], {}, 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if argv[i] == "--dry-run":
+            options["dry_run"] = True
+        elif name in DRY_RUN_OPTIONS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{name} needs a value")
+                value, i = argv[i + 1], i + 1
+            try:
+                options[name] = DRY_RUN_OPTIONS[name](value)
+            except ValueError:
+                options[name] = None
+            if options[name] is None or options[name] <= 0:
+                raise ConfigError(f"{name} expects a positive {DRY_RUN_OPTIONS[name].__name__}, got {value!r}")
+        else:
+            rest.append(argv[i])
+        i += 1
+    if not options:
+        return rest, None
+    if "dry_run" not in options:
+        raise ConfigError(f"{next(iter(options))} is an option of --dry-run; under torchrun the launcher sets the "
+                          f"world size")
+    return rest, {"world_size": options.get("--world-size", 1), "device_gib": options.get("--device-memory-gib")}
 
 
 def main(argv: list[str]) -> int:
@@ -34,7 +68,13 @@ def main(argv: list[str]) -> int:
     from titan_ulysses.checkpoint.errors import RunRefused  # a folder in use, every checkpoint damaged
 
     try:
+        argv, dry = dry_run_options(argv)
         config = load_config(argv)
+        if dry is not None:
+            from titan_ulysses.preflight import plan
+
+            print(plan(config, dry["world_size"], dry["device_gib"]), flush=True)
+            return 0
         from titan_ulysses.trainer import Trainer
 
         trainer = Trainer(config)

@@ -195,7 +195,7 @@ def _trial(ctx, config: str, overrides: list[str], n_layers: int, seq_len: int, 
 def longest(config_name: str, extra: list[str], lengths: tuple[int, int], target: int, what: str):
     def run(ctx):
         from titan_ulysses.config.manager import load_config
-        from titan_ulysses.trainer import model_args
+        from titan_ulysses.models.resolve import model_args
 
         if ctx.dry_run:
             config, lengths_, warm = os.path.join(CONFIGS, "debug_model.toml"), (128, 256), 64

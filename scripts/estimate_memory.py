@@ -37,9 +37,10 @@ import dataclasses
 import json
 import sys
 
-from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.metrics.memory_estimate import GIB, Switches, estimate, largest_seq_len
 from titan_ulysses.metrics.memory_fit import BUDGET, from_config, recommend
+from titan_ulysses.preflight import validate
 
 def saved_bytes(model, tokens, positions=None) -> int:
     """Bytes autograd keeps for backward in ``model(tokens, labels=tokens)``, parameters excluded."""

@@ -37,14 +37,16 @@ import torch.distributed as dist
 
 from titan_ulysses.checkpoint.hf_export import ASSETS, read_data_settings, read_model_record
 from titan_ulysses.checkpoint.manager import CheckpointManager
-from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.datasets import make_passkey_tokens, random_passkey
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.tokenizer import build_tokenizer
 from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.loss import IGNORE_INDEX
-from titan_ulysses.trainer import init_distributed, model_args
+from titan_ulysses.preflight import validate
+from titan_ulysses.trainer import init_distributed
 
 
 def parse_args(argv):

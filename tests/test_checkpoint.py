@@ -14,46 +14,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from dist_utils import run_distributed
-from model_harness import build_pair, full, small_args
+from helpers import Counter, assert_equal, checkpoint_setup, scramble, snapshot, tiny_train_step
 from titan_ulysses.checkpoint import manager as ckpt
 from titan_ulysses.checkpoint.manager import CheckpointManager, complete_steps
-from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions
-
-
-class Counter:
-    """A stand-in for the data loader / scheduler: any object with state_dict/load_state_dict."""
-
-    def __init__(self):
-        self.n = 0
-
-    def state_dict(self):
-        return {"n": self.n}
-
-    def load_state_dict(self, state):
-        self.n = state["n"]
-
-
-def _setup(folder, layout=None, **kwargs):
-    pd = ParallelDims(**(layout or {"sp": 2}), world_size=dist.get_world_size())
-    pd.build_mesh("cpu")
-    _, model = build_pair(small_args(), pd, ParallelizeOptions(param_dtype=torch.float32))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader, sched = Counter(), Counter()
-    mgr = CheckpointManager(folder=folder, model=model, optimizer=opt, lr_scheduler=sched, dataloader=loader,
-                            enable=True, interval=1, **kwargs)
-    return model, opt, loader, sched, mgr
-
-
-def _train_step(model, opt):
-    tokens = torch.randint(0, 264, (1, 8), generator=torch.Generator().manual_seed(7))
-    model(tokens, labels=tokens).backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def _snapshot(model):
-    return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
 
 
 def _opt_snapshot(model, opt):
@@ -62,31 +25,16 @@ def _opt_snapshot(model, opt):
     return {fqn: {k: v.clone() for k, v in s.items()} for fqn, s in sd["state"].items()}
 
 
-def _assert_equal(actual: dict, expected: dict, what: str):
-    assert actual.keys() == expected.keys(), f"{what}: {sorted(actual)} != {sorted(expected)}"
-    for name, value in expected.items():
-        if isinstance(value, dict):
-            _assert_equal(actual[name], value, f"{what} {name}")
-        else:
-            assert torch.equal(actual[name], value), f"{what} {name} differs"
-
-
-def _scramble(model):
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(0.5)
-
-
 # -- (a) a checkpoint saved at sp=2 loads at other layouts -----------------------------------
 
 def _save_at_sp2(folder):
-    model, opt, loader, sched, mgr = _setup(folder)
-    _train_step(model, opt)
+    model, opt, loader, sched, mgr = checkpoint_setup(folder)
+    tiny_train_step(model, opt)
     loader.n, sched.n = 3, 5
     torch.manual_seed(100 + dist.get_rank())  # ranks differ: rank 0's generator is the one saved
     rng = torch.get_rng_state()
     mgr.save(1)
-    params, opt_state = _snapshot(model), _opt_snapshot(model, opt)
+    params, opt_state = snapshot(model), _opt_snapshot(model, opt)
     assert len(opt_state) == len(params) and all(float(s["step"]) == 1.0 for s in opt_state.values())
     if dist.get_rank() == 0:
         torch.save({"params": params, "opt": opt_state, "rng": rng}, os.path.join(folder, "expected.pt"))
@@ -94,16 +42,16 @@ def _save_at_sp2(folder):
 
 def _load_at(folder, layout):
     expected = torch.load(os.path.join(folder, "expected.pt"))
-    model, opt, loader, sched, mgr = _setup(folder, layout)
-    _scramble(model)
+    model, opt, loader, sched, mgr = checkpoint_setup(folder, layout)
+    scramble(model)
     assert mgr.latest_step() == 1
     torch.manual_seed(999)
     assert mgr.load() == 1
     assert loader.n == 3 and sched.n == 5
     assert torch.equal(torch.get_rng_state(), expected["rng"])  # rank 0's, on every rank
-    _assert_equal(_snapshot(model), expected["params"], "param")
-    _assert_equal(_opt_snapshot(model, opt), expected["opt"], "optimizer")
-    _train_step(model, opt)  # the loaded optimizer state is usable at the new layout
+    assert_equal(snapshot(model), expected["params"], "param")
+    assert_equal(_opt_snapshot(model, opt), expected["opt"], "optimizer")
+    tiny_train_step(model, opt)  # the loaded optimizer state is usable at the new layout
     assert all(float(s["step"]) == 2.0 for s in _opt_snapshot(model, opt).values())
 
 
@@ -118,27 +66,27 @@ def test_load_reshards_to_another_layout(tmp_path, layout, world):
 # -- (b) async saves write what sync saves write, as of the save() call -----------------------
 
 def _async_equals_sync(folder):
-    model, opt, loader, _, sync = _setup(os.path.join(folder, "disabled"))
+    model, opt, loader, _, sync = checkpoint_setup(os.path.join(folder, "disabled"))
     managers = {mode: CheckpointManager(folder=os.path.join(folder, mode), model=model, optimizer=opt,
                                         lr_scheduler=Counter(), dataloader=loader, enable=True, interval=1,
                                         async_mode=mode)
                 for mode in ("async", "async_with_pinned_mem")}
-    _train_step(model, opt)
+    tiny_train_step(model, opt)
     loader.n = 1
     sync.save(1)
-    params, opt_state = _snapshot(model), _opt_snapshot(model, opt)
+    params, opt_state = snapshot(model), _opt_snapshot(model, opt)
     for mgr in managers.values():
         mgr.save(1)
-    _train_step(model, opt)  # training goes on while the saves are in flight
+    tiny_train_step(model, opt)  # training goes on while the saves are in flight
     loader.n = 2
     for mgr in managers.values():
         mgr.close()
     for mode, mgr in {"disabled": sync, **managers}.items():
         assert complete_steps(mgr.folder) == [1] and os.listdir(mgr.folder) == ["step-1"], mode
-        _scramble(model)
+        scramble(model)
         assert mgr.load() == 1 and loader.n == 1, mode
-        _assert_equal(_snapshot(model), params, f"{mode} param")
-        _assert_equal(_opt_snapshot(model, opt), opt_state, f"{mode} optimizer")
+        assert_equal(snapshot(model), params, f"{mode} param")
+        assert_equal(_opt_snapshot(model, opt), opt_state, f"{mode} optimizer")
 
 
 def test_async_saves_equal_the_sync_save(tmp_path):
@@ -146,21 +94,21 @@ def test_async_saves_equal_the_sync_save(tmp_path):
 
 
 def _pinned_stager_survives_being_closed(folder):
-    model, opt, loader, _, mgr = _setup(folder, async_mode="async_with_pinned_mem")
-    _train_step(model, opt)
+    model, opt, loader, _, mgr = checkpoint_setup(folder, async_mode="async_with_pinned_mem")
+    tiny_train_step(model, opt)
     mgr.save(1)
     mgr.wait()
     # torch 2.11 closes the inner stager after every stage, emptying its dispatch table: the
     # next save met the classes inside every DTensor's spec with KeyError: <class 'type'>
     mgr._stager._state_dict_stager.close()
-    _train_step(model, opt)
-    params = _snapshot(model)
+    tiny_train_step(model, opt)
+    params = snapshot(model)
     mgr.save(2)
     mgr.close()
     assert complete_steps(folder) == [1, 2]
-    _scramble(model)
+    scramble(model)
     assert mgr.load() == 2
-    _assert_equal(_snapshot(model), params, "param after the second pinned save")
+    assert_equal(snapshot(model), params, "param after the second pinned save")
 
 
 def test_pinned_stager_survives_a_close_between_saves(tmp_path):
@@ -172,19 +120,19 @@ def test_pinned_stager_survives_a_close_between_saves(tmp_path):
 def _expect_last_good(folder, mgr, model, loader, good):
     dist.barrier()
     assert complete_steps(folder) == [1] and mgr.latest_step() == 1
-    _scramble(model)
+    scramble(model)
     assert mgr.load() == 1  # a half-written step-N.tmp is never picked
     assert loader.n == 1
-    _assert_equal(_snapshot(model), good, "param")
+    assert_equal(snapshot(model), good, "param")
 
 
 def _failing_saves(folder):
-    model, opt, loader, _, mgr = _setup(folder)
-    _train_step(model, opt)
+    model, opt, loader, _, mgr = checkpoint_setup(folder)
+    tiny_train_step(model, opt)
     loader.n = 1
     mgr.save(1)
-    good = _snapshot(model)
-    _train_step(model, opt)
+    good = snapshot(model)
+    tiny_train_step(model, opt)
     loader.n = 2
 
     # 1. the save function dies after writing a shard
@@ -209,7 +157,7 @@ def _failing_saves(folder):
     async_mgr = CheckpointManager(folder=folder, model=model, optimizer=opt, lr_scheduler=Counter(),
                                   dataloader=loader, enable=True, interval=1, async_mode="async")
     for step, manager in ((3, mgr), (4, async_mgr)):
-        _train_step(model, opt)
+        tiny_train_step(model, opt)
         loader.n = step
         FileSystemWriter.finish = broken_finish
         try:
@@ -238,23 +186,23 @@ def test_failing_save_keeps_the_last_good_checkpoint(tmp_path):
 # -- (d) retention, (e) nothing to resume -----------------------------------------------------
 
 def _retention(folder, async_mode):
-    model, opt, loader, _, mgr = _setup(folder, async_mode=async_mode, keep_latest_k=2)
+    model, opt, loader, _, mgr = checkpoint_setup(folder, async_mode=async_mode, keep_latest_k=2)
     assert mgr.latest_step() is None
     assert mgr.load() == 0 and loader.n == 0  # nothing to resume, nothing changed
     snapshots = {}
     for step in range(1, 5):
-        _train_step(model, opt)
+        tiny_train_step(model, opt)
         loader.n = step
         mgr.save(step)
-        snapshots[step] = _snapshot(model)
+        snapshots[step] = snapshot(model)
     mgr.close()
     dist.barrier()
     assert complete_steps(folder) == [3, 4] and sorted(os.listdir(folder)) == ["step-3", "step-4"]
-    _train_step(model, opt)  # move away, then come back
+    tiny_train_step(model, opt)  # move away, then come back
     assert mgr.load() == 4 and loader.n == 4
-    _assert_equal(_snapshot(model), snapshots[4], "param")
+    assert_equal(snapshot(model), snapshots[4], "param")
     assert mgr.load(3) == 3 and loader.n == 3
-    _assert_equal(_snapshot(model), snapshots[3], "param")
+    assert_equal(snapshot(model), snapshots[3], "param")
     with pytest.raises(FileNotFoundError, match=r"step-2' does not exist; the complete checkpoints in .* are step-3, "
                                                 r"step-4$"):
         mgr.load(2)  # deleted by retention
@@ -268,15 +216,15 @@ def test_keep_latest_k_and_load_without_checkpoint(tmp_path, async_mode):
 # -- model-only loads (initial_load_path) ------------------------------------------------------
 
 def _model_only(folder):
-    model, opt, loader, _, mgr = _setup(folder)
-    _train_step(model, opt)
+    model, opt, loader, _, mgr = checkpoint_setup(folder)
+    tiny_train_step(model, opt)
     loader.n = 7
     mgr.save(1)
-    saved = _snapshot(model)
-    fresh_model, fresh_opt, fresh_loader, _, fresh = _setup(os.path.join(folder, "new-run"))
+    saved = snapshot(model)
+    fresh_model, fresh_opt, fresh_loader, _, fresh = checkpoint_setup(os.path.join(folder, "new-run"))
     fresh.load_model_only(os.path.join(folder, "step-1"))
     assert fresh_loader.n == 0 and not fresh_opt.state  # only weights came over
-    _assert_equal(_snapshot(fresh_model), saved, "param")
+    assert_equal(snapshot(fresh_model), saved, "param")
     assert fresh.latest_step() is None
     with pytest.raises(FileNotFoundError, match=r"step-99' does not exist; the complete checkpoints in .* are step-1$"):
         fresh.load_model_only(os.path.join(folder, "step-99"))

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from test_checkpoint import _assert_equal, _scramble, _setup, _snapshot, _train_step
+from helpers import assert_equal, checkpoint_setup, scramble, snapshot, tiny_train_step
 from titan_ulysses.checkpoint import manager as ckpt
 from titan_ulysses.checkpoint.manager import NonFiniteStateError, complete_steps
 from titan_ulysses.checkpoint.manifest import read_manifest
@@ -55,14 +55,14 @@ DAMAGES = {  # name -> (damage(step folder) -> the file the warning must name)
 
 
 def _damaged_newest_falls_back(folder, capfd):
-    model, opt, loader, _, mgr = _setup(folder)
-    _train_step(model, opt)
+    model, opt, loader, _, mgr = checkpoint_setup(folder)
+    tiny_train_step(model, opt)
     loader.n = 1
     mgr.save(1)
-    good = _snapshot(model)
+    good = snapshot(model)
     assert set(read_manifest(os.path.join(folder, "step-1"))) >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
     for kind, damage in DAMAGES.items():
-        _train_step(model, opt)
+        tiny_train_step(model, opt)
         loader.n = 2
         mgr.save(2, force=True)
         dist.barrier()
@@ -71,11 +71,11 @@ def _damaged_newest_falls_back(folder, capfd):
         if dist.get_rank() == 0:
             named = damage(newest)
         dist.barrier()
-        _scramble(model)
+        scramble(model)
         mgr._last_saved = None
         assert mgr.load() == 1, kind  # fell back
         assert loader.n == 1, kind
-        _assert_equal(_snapshot(model), good, f"{kind} param")
+        assert_equal(snapshot(model), good, f"{kind} param")
         dist.barrier()
         if dist.get_rank() == 0:
             err = capfd.readouterr().err
@@ -84,7 +84,7 @@ def _damaged_newest_falls_back(folder, capfd):
             assert "step-2" not in names and any(n.startswith("step-2.bad") for n in names), (kind, names)
         dist.barrier()
         # the damaged step never blocks its own save: save it again, complete and verified
-        _train_step(model, opt)
+        tiny_train_step(model, opt)
         loader.n = 2
         mgr.save(2, force=True)
         assert complete_steps(folder) == [1, 2] and mgr.verify(newest) is None, kind
@@ -123,11 +123,11 @@ def test_each_damaged_newest_checkpoint_falls_back(tmp_path):
 # -- the commit is atomic; NaN never saved; pruning keeps the last good one -------------------
 
 def _worker_atomic_and_nonfinite(folder):
-    model, opt, loader, _, mgr = _setup(folder, keep_latest_k=1)
-    _train_step(model, opt)
+    model, opt, loader, _, mgr = checkpoint_setup(folder, keep_latest_k=1)
+    tiny_train_step(model, opt)
     loader.n = 1
     mgr.save(1)
-    good = _snapshot(model)
+    good = snapshot(model)
 
     # a fault between writing (data, metadata, manifest) and the rename
     def no_rename(tmp, final):
@@ -135,7 +135,7 @@ def _worker_atomic_and_nonfinite(folder):
 
     real, ckpt._publish = ckpt._publish, no_rename
     try:
-        _train_step(model, opt)
+        tiny_train_step(model, opt)
         loader.n = 2
         with pytest.raises(OSError, match="injected fault before the rename"):
             mgr.save(2)
@@ -143,9 +143,9 @@ def _worker_atomic_and_nonfinite(folder):
         ckpt._publish = real
     assert complete_steps(folder) == [1]
     assert os.path.isfile(os.path.join(folder, "step-2.tmp", "manifest.json"))
-    _scramble(model)
+    scramble(model)
     assert mgr.load() == 1 and loader.n == 1  # and the start-up clean-up removed step-2.tmp
-    _assert_equal(_snapshot(model), good, "param")
+    assert_equal(snapshot(model), good, "param")
     dist.barrier()
     assert sorted(os.listdir(folder)) == ["step-1"]
 
@@ -158,7 +158,7 @@ def _worker_atomic_and_nonfinite(folder):
     dist.barrier()
     assert sorted(os.listdir(folder)) == ["step-1"]
     assert mgr.load() == 1
-    _assert_equal(_snapshot(model), good, "param")
+    assert_equal(snapshot(model), good, "param")
 
     # finite weights, an inf in one rank's optimizer state (exp_avg_sq): refused too
     if dist.get_rank() == 1:
@@ -195,9 +195,9 @@ def _worker_atomic_and_nonfinite(folder):
             mgr.save(5)
     finally:
         FileSystem.create_stream = real_stream
-    _scramble(model)
+    scramble(model)
     assert mgr.load() == 1 and mgr.verify(os.path.join(folder, "step-1")) is None
-    _assert_equal(_snapshot(model), good, "param")
+    assert_equal(snapshot(model), good, "param")
 
 
 def test_atomic_commit_and_nonfinite_state_never_saved(tmp_path):

@@ -2,7 +2,8 @@
 
 import pytest
 
-from titan_ulysses.config.manager import ConfigError, load_config, resolved_global_batch_size, validate
+from titan_ulysses.config.manager import ConfigError, load_config, resolved_global_batch_size
+from titan_ulysses.preflight import validate
 
 
 def test_defaults_and_toml_and_overrides(tmp_path):

@@ -22,7 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import assert_close, run_distributed
 from model_harness import assert_params_match, build_pair, clean_name, full, small_args
-from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.preflight import validate
 from titan_ulysses.data.sharding import check_seq_len, load_balanced_order, shard_batch
 from titan_ulysses.distributed.context_parallel import cp_mask
 from titan_ulysses.distributed.parallel_dims import ParallelDims

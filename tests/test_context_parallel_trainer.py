@@ -16,8 +16,7 @@ import sys
 
 import pytest
 
-from test_fake_mode import run_fake_world
-from test_trainer import BASE, layout, losses, run
+from helpers import BASE, layout, losses, run, run_fake_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "100"]
@@ -35,6 +34,7 @@ def _torchrun(nproc: int, steps: int, extra: list[str], folder) -> tuple[str, di
         return proc.stdout, losses([json.loads(line) for line in f])
 
 
+@pytest.mark.slow
 def test_trainer_resumes_across_sp_cp_and_cp_x_sp_through_torchrun(tmp_path):
     ref = losses(run(1, ["--training.steps", "5"] + layout(), tmp_path, "single"))
     assert ref[5] < ref[1], "the loss should fall"
@@ -55,6 +55,7 @@ def test_trainer_resumes_across_sp_cp_and_cp_x_sp_through_torchrun(tmp_path):
         assert got[s] == pytest.approx(ref[s], rel=1e-5), f"step {s}: {got[s]} vs {ref[s]}"
 
 
+@pytest.mark.slow
 def test_fake_world_runs_cp_and_reports_its_volume(tmp_path):
     from titan_ulysses.metrics.comm import context_parallel_bytes_per_step
     from titan_ulysses.models.llama.args import get_flavor

@@ -30,16 +30,17 @@ def _run(args, nproc=None):
 def checkpoint(tmp_path_factory):
     """A checkpoint the trainer wrote at sp=2 (in forked ranks: no torchrun, no fresh imports)."""
     from dist_utils import run_distributed
-    from test_trainer import _train
+    from helpers import train_worker
 
     dump = tmp_path_factory.mktemp("run")
     # trained at 128 tokens with RoPE theta 50000, where the config says 512 and 10000
-    run_distributed(_train, 2, ["--config", CONFIG, "--training.steps", "2", "--training.seq_len", "128",
-                                "--model.rope_theta", "50000", "--checkpoint.interval", "2",
-                                "--job.dump_folder", str(dump)])
+    run_distributed(train_worker, 2, ["--config", CONFIG, "--training.steps", "2", "--training.seq_len", "128",
+                                      "--model.rope_theta", "50000", "--checkpoint.interval", "2",
+                                      "--job.dump_folder", str(dump)])
     return os.path.join(dump, "checkpoint", "step-2")
 
 
+@pytest.mark.slow
 def test_ulysses_evaluation_equals_one_process(checkpoint, tmp_path):
     grid = ["--lengths", "112,160", "--depths", "0,1", "--samples", "3", "--training.passkey_digits", "2"]
     script = os.path.join("scripts", "eval_needle.py")
@@ -60,6 +61,7 @@ def test_ulysses_evaluation_equals_one_process(checkpoint, tmp_path):
     assert (tmp_path / "sp2.png").stat().st_size > 10_000  # the heatmap was drawn
 
 
+@pytest.mark.slow
 def test_bad_depth_and_checkpoint_are_refused_by_name(checkpoint):
     """Each refusal comes before any process group: called in this process, the script's
     SystemExit(message) is what `python scripts/eval_needle.py` prints before exiting 1."""

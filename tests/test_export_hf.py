@@ -52,7 +52,7 @@ def test_exported_model_matches_in_transformers(tmp_path, variant):
     overrides = VARIANTS[variant]
     run_distributed(_save_sharded, 2, str(tmp_path), overrides)
     args = small_args(**overrides)
-    export_hf(str(tmp_path / "step-1"), args, str(tmp_path / "hf"), dtype=torch.float32)
+    export_hf(str(tmp_path / "step-1"), args, str(tmp_path / "hf"))  # float32: the dtype saved
 
     ours = Transformer(args)
     ours.load_state_dict(torch.load(tmp_path / "reference.pt"))

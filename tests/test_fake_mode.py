@@ -1,15 +1,14 @@
 """comm.mode = "fake": one process plays rank 0 of a larger job; the all-to-all volume model."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from titan_ulysses.config.manager import ConfigError, load_config, validate
+from helpers import run_fake_world
+from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.metrics.comm import ulysses_bytes_per_step
 from titan_ulysses.models.llama.args import get_flavor
+from titan_ulysses.preflight import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,19 +22,7 @@ def test_a2a_volume_by_hand():
     assert ulysses_bytes_per_step(args, 4096, 1, 1, 1, 4, False) == 0.0
 
 
-def run_fake_world(tmp_path, world: int, *overrides: str):
-    """train.py on the debug model as rank 0 of a fake world of ``world``, one process: (stdout, metrics lines)."""
-    out = tmp_path / "fake"
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--config", "train_configs/debug_model.toml", "--comm.mode", "fake",
-         "--comm.fake_world_size", str(world), "--training.local_batch_size", "1", *overrides,
-         "--checkpoint.enable", "false", "--job.dump_folder", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout, [json.loads(line) for line in open(out / "metrics.jsonl")]
-
-
+@pytest.mark.slow
 def test_fake_world_runs_a_production_layout_in_one_process(tmp_path):
     stdout, metrics = run_fake_world(tmp_path, 8, "--parallelism.ulysses_degree", "8", "--training.seq_len", "4096",
                                      "--training.steps", "2", "--metrics.log_freq", "1")

@@ -15,7 +15,8 @@ from torchao.float8.float8_linear import Float8Linear
 
 from dist_utils import run_distributed
 from model_harness import clean_name, full, make_batch, parallel_step, reference_step, small_args
-from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.preflight import validate
 from titan_ulysses.distributed.float8 import Float8Options, apply_float8, precompute_float8_scales
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import load_full_state_dict

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_fixtures import TEXTS, make_hf_model, make_tokenizer
-from titan_ulysses.config.manager import ConfigError, check_files, load_config, validate
+from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.preflight import check_files, validate
 from titan_ulysses.data.hf_tokenizer import HFTokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -64,6 +65,7 @@ def trained(tmp_path_factory):
     return folder, model, first
 
 
+@pytest.mark.slow
 def test_continue_training_export_round_trip(trained, tmp_path):
     folder, hf_model, hf_first_loss = trained
     assert hf_first_loss < 1.0  # trained: a random init is at ln(320) = 5.8
@@ -240,6 +242,7 @@ def test_refusals_name_the_setting_before_any_weight_is_read(trained, tmp_path, 
     assert msg.startswith("checkpoint.initial_load_path: the checkpoint does not match the model arguments")
 
 
+@pytest.mark.slow
 def test_missing_tokenizer_is_one_line_once_exit_2(trained, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
            "--model.hf_assets_path", trained[0], "--model.tokenizer", "hf", "--model.tokenizer_path", str(tmp_path),

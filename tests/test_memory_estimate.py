@@ -133,7 +133,8 @@ def test_script_recommends_a_valid_layout_and_refuses_bad_input(capsys):
 
 
 def test_a_config_beyond_the_device_is_a_warning_naming_the_recommendation():
-    from titan_ulysses.config.manager import load_config, validate
+    from titan_ulysses.config.manager import load_config
+    from titan_ulysses.preflight import validate
     from titan_ulysses.metrics.memory_fit import memory_warning
 
     config = ["--config", "train_configs/llama3_8b_128k.toml"]
@@ -150,7 +151,8 @@ def test_script_recommendation_for_flex_names_the_sdpa_it_needs_for_cp(capsys):
     flex run: the recommended overrides switch to sdpa, the only backend cp runs on, so they validate."""
     import json
 
-    from titan_ulysses.config.manager import load_config, validate
+    from titan_ulysses.config.manager import load_config
+    from titan_ulysses.preflight import validate
 
     run = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "1048576", "--model.attn_backend", "flex",
            "--parallelism.ulysses_degree", "1"]

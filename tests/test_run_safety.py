@@ -21,7 +21,7 @@ import pytest
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from test_trainer import BASE, layout, read_metrics
+from helpers import BASE, layout, read_metrics
 from titan_ulysses.config.manager import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,6 +184,7 @@ def _wait_for(predicate, timeout, what):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes(tmp_path):
     folder = tmp_path / "run"
     argv = BASE + layout() + ["--training.steps", "3", "--checkpoint.enable", "true", "--job.dump_folder", str(folder)]
@@ -208,10 +209,12 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes(tmp_p
     assert steps_on_disk(folder) == ["step-3"]
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_ends_the_job_within_the_train_timeout(tmp_path):
     port = _free_port()
+    # start-up's timeout (init) far above communicate's bound below: only the train timeout can end rank 0 in time
     argv = BASE + layout(sp=2) + ["--training.steps", "50", "--comm.train_timeout_seconds", "3",
-                                  "--job.dump_folder", str(tmp_path / "run")]
+                                  "--comm.init_timeout_seconds", "900", "--job.dump_folder", str(tmp_path / "run")]
     ranks = [_spawn_rank(argv, r, 2, port, "stall_rank1_at_2") for r in range(2)]
     try:
         def stopped():
@@ -219,18 +222,17 @@ def test_a_stalled_rank_ends_the_job_within_the_train_timeout(tmp_path):
                 return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
         _wait_for(stopped, 120, "rank 1 never reached step 2")
-        frozen_at = time.monotonic()
-        _, err = ranks[0].communicate(timeout=60)
-        waited = time.monotonic() - frozen_at
+        _, err = ranks[0].communicate(timeout=300)  # TimeoutExpired (a failure) if it waits for the init timeout
         assert ranks[0].returncode != 0
-        assert waited < 3 + 15, f"rank 0 waited {waited:.0f}s for the frozen rank (timeout 3s)"
-        assert "a collective waited longer than comm.train_timeout_seconds (3s)" in err, err[-2000:]
+        # the collective's own timeout error (gloo's), turned into the one-line reason
+        assert "step 2: a collective waited longer than comm.train_timeout_seconds (3s)" in err, err[-2000:]
     finally:
         for p in ranks:
             p.kill()
             p.communicate()
 
 
+@pytest.mark.slow
 def test_ranks_exit_when_their_launcher_dies(tmp_path):
     child = (f"import sys, time; sys.path.insert(0, {ROOT!r}); "
              "from titan_ulysses.distributed.watchdog import exit_with_launcher; "
@@ -254,6 +256,7 @@ def test_ranks_exit_when_their_launcher_dies(tmp_path):
     _wait_for(gone, 10, "the worker outlived its launcher")
 
 
+@pytest.mark.slow
 def test_a_config_error_under_torchrun_is_printed_once():
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
@@ -283,6 +286,7 @@ def test_a_checkpoint_folder_shared_by_two_dump_folders_is_locked(tmp_path):
     assert not os.path.exists(tmp_path / "b" / "checkpoint")
 
 
+@pytest.mark.slow
 def test_lock_refusals_and_stale_locks_where_flock_is_missing(tmp_path, monkeypatch):
     from titan_ulysses.checkpoint import lock as lock_module
     from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock

@@ -5,10 +5,11 @@ import torch
 import torch.nn.functional as F
 
 from model_harness import small_args
-from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.attention import SDPA_KERNELS, sdpa_priority
-from titan_ulysses.trainer import model_args
+from titan_ulysses.preflight import validate
 
 PYTORCH_ORDER = torch._C._get_sdp_priority_order()
 

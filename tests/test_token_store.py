@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from titan_ulysses.config.manager import ConfigError, load_config, validate
+from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.preflight import validate
 from titan_ulysses.data import sources
 from titan_ulysses.data.build import build_dataset, data_settings, open_store
 from titan_ulysses.data.loader import build_dataloader
@@ -103,6 +104,7 @@ open_store("text", {path!r}, ByteTokenizer(), load_config(["--training.dataset",
 """
 
 
+@pytest.mark.slow
 def test_a_killed_build_leaves_no_store_and_the_next_build_is_whole(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -231,6 +233,7 @@ def test_bad_data_is_one_clear_line(tmp_path, content, dataset, message):
         build_dataset(dataset, str(tmp_path / "bad.jsonl"), ByteTokenizer(), config_for(tmp_path / "bad.jsonl", dataset=dataset), 0)
 
 
+@pytest.mark.slow
 def test_train_py_exits_2_with_one_line_on_bad_data(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"txt": "typo"}\n')
     proc = subprocess.run([sys.executable, "train.py", "--training.dataset", "text", "--training.dataset_path",

@@ -1,74 +1,15 @@
 """The trainer end to end on gloo: layouts agree step by step, resume is exact, signals save."""
 
-import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from dist_utils import run_distributed
-from titan_ulysses.config.manager import load_config
+from helpers import layout, losses, read_metrics, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# A schedule that does not depend on the total step count, so a run cut at step 3 and
-# resumed to step 6 follows the same learning rates as an uninterrupted 6-step run.
-BASE = [
-    "--model.flavor", "debugmodel", "--training.dataset", "passkey",
-    "--training.seq_len", "128", "--training.global_batch_size", "4",
-    "--training.mixed_precision_param", "float32", "--training.max_norm", "1.0",
-    "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0",
-    "--metrics.log_freq", "1",
-]
-
-
-def layout(sp=1, dp_shard=-1, local_batch=4):
-    return ["--parallelism.ulysses_degree", str(sp), "--parallelism.data_parallel_shard_degree", str(dp_shard),
-            "--training.local_batch_size", str(local_batch)]
-
-
-def read_metrics(folder):
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def _train(argv, hooks=None):
-    from titan_ulysses.trainer import Trainer
-
-    trainer = Trainer(load_config(argv))
-    if hooks == "sigterm_rank0_at_2" and dist.get_rank() == 0:
-        step_fn = trainer.train_step
-
-        def step_then_signal(data_iter):
-            out = step_fn(data_iter)
-            if trainer.step == 1:  # the step about to finish is step 2
-                os.kill(os.getpid(), signal.SIGTERM)
-            return out
-
-        trainer.train_step = step_then_signal
-    if hooks == "nan_at_3":
-        step_fn = trainer.train_step
-
-        def poisoned_step(data_iter):
-            if trainer.step == 2:  # step 3 sees NaN weights on every rank
-                with torch.no_grad():
-                    for p in trainer.model.parameters():
-                        p.fill_(float("nan"))
-            return step_fn(data_iter)
-
-        trainer.train_step = poisoned_step
-    trainer.train()
-
-
-def run(world, argv, tmp, name, hooks=None):
-    folder = str(tmp / name)
-    run_distributed(_train, world, BASE + argv + ["--job.dump_folder", folder], hooks)
-    return read_metrics(folder)
-
 
 def saved_rng(step_dir):
     """Rank 0's generator state saved in a checkpoint (read without a process group)."""
@@ -77,10 +18,6 @@ def saved_rng(step_dir):
     state = {"train_state": {"rng": torch.get_rng_state().clone()}}
     dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
     return state["train_state"]["rng"]
-
-
-def losses(metrics):
-    return {m["step"]: m["loss"] for m in metrics}
 
 
 def assert_losses_equal(actual, expected, steps):
@@ -150,6 +87,7 @@ def test_nan_loss_stops_without_touching_the_last_checkpoint(tmp_path):
     assert [m["step"] for m in read_metrics(tmp_path / "nan")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_config_error_exits_nonzero_with_one_line():
     proc = subprocess.run(
         [sys.executable, "train.py", "--training.seq_lenn", "64"], cwd=ROOT, capture_output=True, text=True

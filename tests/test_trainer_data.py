@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from test_trainer import run
+from helpers import run
 from titan_ulysses.config.manager import load_config
 from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.ops.loss import IGNORE_INDEX

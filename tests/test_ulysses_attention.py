@@ -2,23 +2,15 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist_utils import assert_close, run_distributed
-from titan_ulysses.data.sharding import shard_for_sp
-from titan_ulysses.distributed.parallel_dims import ParallelDims
+from helpers import attention_matches, build_sp_mesh
 from titan_ulysses.distributed.ulysses import UlyssesAttention, head_to_seq, seq_to_head
 from titan_ulysses.ops.attention import SDPAAttention, build_attention, build_attention_mask
 
 
-def _sp_mesh(sp):
-    pd = ParallelDims(sp=sp, world_size=dist.get_world_size())
-    pd.build_mesh("cpu")
-    return pd.get_mesh("sp")
-
-
 def _round_trip(sp):
-    sp_mesh = _sp_mesh(sp)
+    sp_mesh = build_sp_mesh(sp)
     rank = sp_mesh.get_local_rank()
     torch.manual_seed(0)
     full = torch.randn(2, 4 * sp, 2 * sp, 8)  # [B, S, H, D], same on every rank
@@ -35,41 +27,6 @@ def test_all_to_all_round_trip_is_identity(sp):
     run_distributed(_round_trip, sp, sp)
 
 
-def _attention_matches(sp, n_heads, n_kv_heads, seq_len, backend, with_docs, backward=True):
-    sp_mesh = _sp_mesh(sp)
-    rank = sp_mesh.get_local_rank()
-    torch.manual_seed(0)
-    b, d = 2, 8
-    q = torch.randn(b, seq_len, n_heads, d, requires_grad=backward)
-    k = torch.randn(b, seq_len, n_kv_heads, d, requires_grad=backward)
-    v = torch.randn(b, seq_len, n_kv_heads, d, requires_grad=backward)
-    grad_out = torch.randn(b, seq_len, n_heads, d)
-    doc = torch.tensor([0] * (seq_len // 3) + [1] * (seq_len - seq_len // 3)).expand(b, seq_len) if with_docs else None
-
-    ref_mask = build_attention_mask(backend, doc)
-    ref = build_attention(backend)(q, k, v, ref_mask)
-    if backward:
-        ref.backward(grad_out)
-
-    # the sharded run: pad S to a multiple of sp, keep this rank's slice
-    s_pad = -(-seq_len // sp) * sp
-    pad_doc = None if doc is None else torch.nn.functional.pad(doc, (0, s_pad - seq_len), value=-1)
-    lq, lk, lv = (shard_for_sp(t.detach(), rank, sp, 0.0).requires_grad_(backward) for t in (q, k, v))
-    attn = UlyssesAttention(build_attention(backend), sp_mesh)
-    out = attn(lq, lk, lv, build_attention_mask(backend, pad_doc))
-
-    n_real = max(0, min(seq_len - rank * (s_pad // sp), s_pad // sp))  # real tokens in this slice
-    sl = slice(rank * (s_pad // sp), rank * (s_pad // sp) + n_real)
-    assert_close(out[:, :n_real], ref[:, sl], "output")
-    if not backward:
-        return
-    local_grad_out = shard_for_sp(grad_out, rank, sp, 0.0)
-    local_grad_out[:, n_real:] = 0  # padding outputs feed no loss
-    out.backward(local_grad_out)
-    for name, local, full in (("dq", lq, q), ("dk", lk, k), ("dv", lv, v)):
-        assert_close(local.grad[:, :n_real], full.grad[:, sl], name)
-
-
 @pytest.mark.parametrize(
     "sp,n_heads,n_kv_heads",
     [(2, 4, 4), (2, 8, 2), (4, 8, 4), (4, 8, 2), (4, 8, 1)],
@@ -77,17 +34,17 @@ def _attention_matches(sp, n_heads, n_kv_heads, seq_len, backend, with_docs, bac
 )
 def test_ulysses_attention_matches_single_process(sp, n_heads, n_kv_heads):
     # 13 tokens: padding is needed for both sp=2 and sp=4 (DeepSpeed #7384: silently wrong output)
-    run_distributed(_attention_matches, sp, sp, n_heads, n_kv_heads, 13, "sdpa", False)
+    run_distributed(attention_matches, sp, sp, n_heads, n_kv_heads, 13, "sdpa", False)
 
 
 def test_ulysses_document_masking_matches_single_process_sdpa():
-    run_distributed(_attention_matches, 2, 2, 4, 2, 15, "sdpa", True)
+    run_distributed(attention_matches, 2, 2, 4, 2, 15, "sdpa", True)
 
 
 def test_ulysses_document_masking_matches_single_process_flex_forward():
     # FlexAttention has no backward on CPU in PyTorch 2.13; the exchanges' backward is
     # backend-independent and checked above, so here only the forward is compared.
-    run_distributed(_attention_matches, 2, 2, 4, 2, 15, "flex", True, False)
+    run_distributed(attention_matches, 2, 2, 4, 2, 15, "flex", True, False)
 
 
 def test_flex_and_sdpa_document_masks_agree():
@@ -110,7 +67,7 @@ def test_plain_sdpa_backend_is_causal():
 
 
 def _unequal_slices():
-    sp_mesh = _sp_mesh(2)
+    sp_mesh = build_sp_mesh(2)
     rank = sp_mesh.get_local_rank()
     attn = UlyssesAttention(SDPAAttention(), sp_mesh)
     s_local = 5 if rank == 0 else 4  # a caller that split 9 tokens without padding

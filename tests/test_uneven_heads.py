@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from dist_utils import run_distributed
-from test_ulysses_attention import _attention_matches
+from helpers import attention_matches
 from titan_ulysses.distributed.heads import (
     attended_heads,
     check_heads,
@@ -74,7 +74,7 @@ def test_refusals_name_the_limit_and_the_cp_splits():
 
 def _many(sp, cases):
     for n_heads, n_kv_heads, seq_len, backend, docs, backward in cases:
-        _attention_matches(sp, n_heads, n_kv_heads, seq_len, backend, docs, backward)
+        attention_matches(sp, n_heads, n_kv_heads, seq_len, backend, docs, backward)
 
 
 def test_uneven_attention_matches_single_process_sp3():

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from test_trainer import BASE, layout
+from helpers import BASE, layout
 from titan_ulysses.config.manager import ConfigError, check_files, load_config
 
 FAST = BASE + layout(sp=2) + ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--training.seed", "7"]

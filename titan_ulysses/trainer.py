@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import math
 import os
@@ -18,18 +17,12 @@ from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.checkpoint.weight_source import adopt_start_record, load_start_weights
 from titan_ulysses.config.job_config import JobConfig
-from titan_ulysses.config.manager import (
-    ConfigError,
-    check_files,
-    float8_options,
-    resolved_global_batch_size,
-    validate,
-)
+from titan_ulysses.config.manager import ConfigError, resolved_global_batch_size
 from titan_ulysses.config.resume import resume_settings, settings_changes
 from titan_ulysses.data.build import build_data
 from titan_ulysses.data.sharding import shard_loader_batch
 from titan_ulysses.data.tokenizer import build_tokenizer
-from titan_ulysses.distributed.float8 import precompute_float8_scales
+from titan_ulysses.distributed.float8 import float8_options, precompute_float8_scales
 from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, global_token_count, load_full_state_dict
@@ -37,12 +30,14 @@ from titan_ulysses.distributed.watchdog import exit_with_launcher, set_timeouts
 from titan_ulysses.metrics.comm import context_parallel_bytes_per_step, ulysses_bytes_per_step
 from titan_ulysses.metrics.flops import flops_per_token, peak_flops
 from titan_ulysses.metrics.logger import MetricsLogger, max_memory_gib
-from titan_ulysses.models.hf_config import describe, load_hf_args
-from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling, get_flavor
+from titan_ulysses.models.hf_config import describe
+from titan_ulysses.models.llama.args import LlamaArgs
 from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.attention import build_attention_mask, sdpa_priority
 from titan_ulysses.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
+from titan_ulysses.preflight import check_files, validate
 from titan_ulysses.validate import build_validator
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -51,23 +46,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 class NonFiniteLossError(RuntimeError):
     """The loss, the gradient norm or the learning rate of a step is NaN/inf: the run stops
     before the optimizer touches the weights."""
-
-
-def model_args(config: JobConfig, vocab_size: int) -> LlamaArgs:
-    m = config.model
-    if m.hf_assets_path:
-        args, source = load_hf_args(m.hf_assets_path, attn_backend=m.attn_backend), "model.hf_assets_path"
-    else:
-        args, source = get_flavor(m.flavor, attn_backend=m.attn_backend), f"model.flavor {m.flavor!r}"
-    if vocab_size > args.vocab_size:
-        raise ValueError(f"the tokenizer has {vocab_size} ids but {source} has vocab_size {args.vocab_size}")
-    overrides = {"loss_chunk_size": m.loss_chunk_size, "mlp_tile_size": m.mlp_tile_size,
-                 "sdpa_backends": m.sdpa_backends}
-    if m.rope_theta > 0:
-        overrides["rope_theta"] = m.rope_theta
-    if m.rope_scaling_factor > 0:
-        overrides["rope_scaling"] = dataclasses.replace(args.rope_scaling or RopeScaling(), factor=m.rope_scaling_factor)
-    return dataclasses.replace(args, **overrides)
 
 
 def init_distributed(fake_world_size: int = 0, timeout_seconds: float | None = None) -> torch.device:

@@ -11,9 +11,12 @@ from titan_ulysses.config import job_config
 from titan_ulysses.config.job_config import CHOICES, JobConfig
 
 USAGE = """usage: torchrun --nproc-per-node N train.py --config train_configs/X.toml [--section.key value ...]
+       python train.py --config train_configs/X.toml --dry-run --world-size N [--device-memory-gib G] [...]
 
 Settings come from the TOML file's [section] tables; --section.key value (or --section.key=value)
-overrides one on the command line. Sections and keys, with their defaults:
+overrides one on the command line. --dry-run makes every check a launch on N ranks makes, without
+starting it, and prints the plan (exit 0) or the one-line refusal (exit 2).
+Sections and keys, with their defaults:
 """
 
 

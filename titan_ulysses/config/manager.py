@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import typing
 
 try:
@@ -12,19 +11,8 @@ try:
 except ImportError:  # Python < 3.11
     import tomli as tomllib
 
-from titan_ulysses.checkpoint.hf import check_hf_weights
-from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
-from titan_ulysses.checkpoint.weight_source import hf_weights_wanted
 from titan_ulysses.config.job_config import CHOICES, JobConfig
-from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.config.ranges import check_ranges
-from titan_ulysses.data.sharding import check_seq_len
-from titan_ulysses.distributed.float8 import Float8Options, check_float8
-from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.distributed.ulysses import check_heads
-from titan_ulysses.models.hf_config import load_hf_args
-from titan_ulysses.models.llama.args import get_flavor
-from titan_ulysses.ops.attention import parse_sdpa_backends
 
 
 class ConfigError(ValueError):
@@ -130,14 +118,14 @@ def resolved_global_batch_size(config: JobConfig, dp: int) -> int:
     return t.local_batch_size * dp if t.global_batch_size == -1 else t.global_batch_size
 
 
-def validate(config: JobConfig, world_size: int) -> ParallelDims:
-    """Every setting's range (``config/ranges.py``), then the cross-field checks that need only
-    the world size; returns the ParallelDims to build.
+def check_config(config: JobConfig, world_size: int) -> int:
+    """Every setting's range (``config/ranges.py``), then the cross-field checks that need nothing
+    but the config itself; returns the world size the layout is to be checked against.
 
     In ``comm.mode = "fake"`` the job must be one process and the layout is checked
-    against ``comm.fake_world_size``.
+    against ``comm.fake_world_size``. The checks that need the model, the parallelism
+    layout, this machine or the files a setting names are ``titan_ulysses/preflight.py``'s.
     """
-    p, t = config.parallelism, config.training
     refusal = check_ranges(config)
     if refusal:
         raise ConfigError(refusal)
@@ -150,41 +138,15 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
             raise ConfigError("checkpoint.initial_load_in_hf must be false with comm.mode 'fake' (a fake process "
                               "group cannot load real weights; the architecture still comes from model.hf_assets_path)")
         world_size = config.comm.fake_world_size
-    try:
-        dims = ParallelDims(
-            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            cp=p.context_parallel_degree, sp=p.ulysses_degree, tp=p.tensor_parallel_degree, world_size=world_size,
-        )
-    except ValueError as e:
-        raise ConfigError(f"parallelism: {e}") from e
-    args = _model_args(config)
-    source = f"model.hf_assets_path {config.model.hf_assets_path!r}" if config.model.hf_assets_path else (
-        f"model.flavor {config.model.flavor!r}")
-    try:
-        check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp, dims.cp)
-    except ValueError as e:
-        raise ConfigError(f"parallelism.ulysses_degree / tensor_parallel_degree: {e} ({source})") from e
-    try:
-        check_seq_len(t.seq_len, dims.sp, dims.cp)
-    except ValueError as e:
-        raise ConfigError(f"training.seq_len: {e}") from e
-    try:
-        parse_sdpa_backends(config.model.sdpa_backends)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    if dims.cp > 1 and config.model.attn_backend != "sdpa":
-        raise ConfigError(
-            f"parallelism.context_parallel_degree {dims.cp} is implemented for model.attn_backend 'sdpa' only, "
-            f"not {config.model.attn_backend!r}; use 'sdpa' (or context_parallel_degree 1)"
-        )
-    dp = dims.size("dp")
-    gbs = resolved_global_batch_size(config, dp)
-    if gbs <= 0 or gbs % (t.local_batch_size * dp):
-        raise ConfigError(
-            f"training.global_batch_size {gbs} must be a positive multiple of training.local_batch_size x dp = "
-            f"{t.local_batch_size} x {dp} = {t.local_batch_size * dp}"
-        )
-    _validate_data(config, dims)
+    return world_size
+
+
+def check_requirements(config: JobConfig) -> None:
+    """The settings that another setting requires (a dataset kind its path, a tokenizer its file, ...)."""
+    t, v = config.training, config.validation
+    _check_path("training.dataset_path", t.dataset_path, t.dataset)
+    if v.enable:
+        _check_path("validation.dataset_path", v.dataset_path, v.dataset or t.dataset)
     if config.model.tokenizer == "tiktoken" and not config.model.tokenizer_path:
         raise ConfigError("model.tokenizer 'tiktoken' needs model.tokenizer_path (a Llama-3 tokenizer.model file)")
     m, c = config.model, config.checkpoint
@@ -199,59 +161,6 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
                           "weights; set one")
     if t.dataset == "text" and not t.dataset_path:
         raise ConfigError("training.dataset 'text' needs training.dataset_path (a file or a folder of .txt/.jsonl/.parquet)")
-    if config.float8.enable:
-        try:
-            check_float8(float8_options(config), dims.tp)
-        except (ValueError, ImportError) as e:
-            raise ConfigError(str(e)) from e
-    return dims
-
-
-def _model_args(config: JobConfig):
-    """The model's architecture (from model.flavor, or from the config.json of model.hf_assets_path)."""
-    path = config.model.hf_assets_path
-    if not path:
-        try:
-            return get_flavor(config.model.flavor)
-        except ValueError as e:
-            raise ConfigError(f"model.flavor: {e}") from e
-    try:
-        return load_hf_args(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.hf_assets_path: {e}") from e
-
-
-def check_files(config: JobConfig) -> None:
-    """Every file a setting names exists and fits the model: one line naming the setting, before any weight is read.
-
-    Separate from ``validate`` (which tools such as estimate_memory run on machines without
-    the data); the trainer runs both before any process group starts.
-    """
-    m, c = config.model, config.checkpoint
-    args = _model_args(config)
-    if m.tokenizer == "tiktoken" and not os.path.isfile(m.tokenizer_path):
-        raise ConfigError(f"model.tokenizer_path {m.tokenizer_path!r} is not a file (a Llama-3 tokenizer.model)")
-    if m.tokenizer == "hf":
-        try:
-            hf_tokenizer_file(m.tokenizer_path or m.hf_assets_path)
-        except FileNotFoundError as e:
-            raise ConfigError(f"model.{'tokenizer_path' if m.tokenizer_path else 'hf_assets_path'}: {e}") from e
-    if hf_weights_wanted(config):
-        try:
-            check_hf_weights(m.hf_assets_path, args)
-        except (OSError, ValueError) as e:
-            unset = "" if c.initial_load_in_hf else " (set checkpoint.initial_load_in_hf false to use its architecture only)"
-            raise ConfigError(f"checkpoint.initial_load_in_hf: model.hf_assets_path {m.hf_assets_path!r}: {e}{unset}") from e
-    if c.initial_load_path:
-        try:
-            check_dcp_model_shapes(c.initial_load_path, args)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"checkpoint.initial_load_path: {e}") from e
-
-
-# sdpa masks packed documents with a dense [B, 1, S, S] boolean mask; above this many
-# elements (1 GiB, with about twice that in temporaries) it is refused in favour of flex.
-SDPA_DENSE_MASK_MAX_ELEMENTS = 2**30
 
 
 def _check_path(key: str, path: str, kind: str) -> None:
@@ -260,34 +169,6 @@ def _check_path(key: str, path: str, kind: str) -> None:
     if not path:  # a path that does not exist is the data builder's one-line DataError
         raise ConfigError(f"{key.rsplit('.', 1)[0]}.dataset {kind!r} needs {key} "
                           f"(a file or a folder of {'.txt/' if kind == 'text' else ''}.jsonl/.parquet)")
-
-
-def _validate_data(config: JobConfig, dims: ParallelDims) -> None:
-    t, v = config.training, config.validation
-    _check_path("training.dataset_path", t.dataset_path, t.dataset)
-    if v.enable:
-        _check_path("validation.dataset_path", v.dataset_path, v.dataset or t.dataset)
-    kinds = {t.dataset} | ({v.dataset or t.dataset} if v.enable else set())
-    packed = t.packing and bool(kinds - {"passkey"})
-    if packed and config.model.attn_backend == "sdpa":
-        from titan_ulysses.data.sharding import padded_length
-
-        s = padded_length(t.seq_len, dims.sp)
-        if t.local_batch_size * s * s > SDPA_DENSE_MASK_MAX_ELEMENTS:
-            gib = t.local_batch_size * s * s / 2**30
-            raise ConfigError(
-                f"packed documents on model.attn_backend 'sdpa' need a dense [{t.local_batch_size}, 1, {s}, {s}] "
-                f"document mask ({gib:.0f} GiB) at training.seq_len {t.seq_len}; use model.attn_backend 'flex' "
-                f"or 'flash_attn', or training.packing = false (one document per window)"
-            )
-
-
-def float8_options(config: JobConfig) -> Float8Options | None:
-    """The float8 settings of ``config`` for ``parallelize_llama``; None when float8 is off."""
-    f = config.float8
-    if not f.enable:
-        return None
-    return Float8Options(recipe=f.recipe, emulate=f.emulate, fsdp_float8_all_gather=f.enable_fsdp_float8_all_gather)
 
 
 def to_dict(config: JobConfig) -> dict:

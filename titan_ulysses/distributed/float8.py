@@ -51,6 +51,14 @@ def _import_torchao():
     return float8
 
 
+def float8_options(config) -> Float8Options | None:
+    """The float8 settings of ``config`` (a JobConfig) for ``parallelize_llama``; None when float8 is off."""
+    f = config.float8
+    if not f.enable:
+        return None
+    return Float8Options(recipe=f.recipe, emulate=f.emulate, fsdp_float8_all_gather=f.enable_fsdp_float8_all_gather)
+
+
 def check_float8(options: Float8Options, tp: int) -> None:
     """Refuse float8 settings this machine or layout cannot run; call before any process group."""
     if options.recipe not in RECIPES:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from titan_ulysses.config.manager import resolved_global_batch_size
 from titan_ulysses.distributed.heads import is_even
 from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
+from titan_ulysses.models.resolve import model_args
 
 BUDGET = 0.9  # of the device: the rest is the CUDA context, NCCL buffers, fragmentation
 
@@ -26,9 +28,6 @@ SWITCH_ORDER = [  # (override, Switches change), cumulative, as in docs/guide.md
 
 
 def from_config(config, dims):
-    from titan_ulysses.config.manager import resolved_global_batch_size
-    from titan_ulysses.trainer import model_args  # the trainer imports this module
-
     args = model_args(config, 0)
     t = config.training
     dp = dims.size("dp")

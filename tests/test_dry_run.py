@@ -1,0 +1,172 @@
+"""``train.py --dry-run --world-size N``: every shipped config passes at the world size it is
+written for (small stand-ins for its model folder, tokenizer and data), and what a launch
+would refuse is refused with one line and exit 2, before anything is started or written."""
+
+import base64
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from hf_fixtures import TEXTS, make_hf_model, make_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "train_configs", "*.toml")))
+
+
+def written_world_size(path: str) -> int:
+    """The world size a config is written for: its header's ``torchrun [--nnodes M] --nproc-per-node N``."""
+    header = open(path).read().split("\n[", 1)[0]
+    nproc = re.search(r"torchrun .*--nproc-per-node (\d+)", header)
+    assert nproc, f"{path}: no 'torchrun --nproc-per-node N' line in its header"
+    nnodes = re.search(r"--nnodes (\d+)", header)
+    return int(nproc.group(1)) * (int(nnodes.group(1)) if nnodes else 1)
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory):
+    """A tiny Llama folder (config.json, safetensors, tokenizer.json), a tiktoken BPE file and a corpus."""
+    root = tmp_path_factory.mktemp("stand_ins")
+    hf = str(root / "hf")
+    make_hf_model(hf, "llama", {})
+    make_tokenizer(hf)
+    ranks = [bytes([b]) for b in range(256)] + [b"he", b"ll", b"hell", b"hello"]
+    (root / "tokenizer.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n"
+                                                  for i, t in enumerate(ranks)))
+    with open(root / "corpus.jsonl", "w") as f:
+        for text in TEXTS * 4:
+            f.write(json.dumps({"text": text}) + "\n")
+    return {"hf": hf, "tiktoken": str(root / "tokenizer.model"), "corpus": str(root / "corpus.jsonl")}
+
+
+def overrides_for(path: str, stand_ins: dict, dump: str) -> list[str]:
+    """Point the paths a config names at the stand-ins (its other settings as shipped)."""
+    text = open(path).read()
+    out = ["--job.dump_folder", dump]
+    if re.search(r"^hf_assets_path\s*=", text, flags=re.M):
+        out += ["--model.hf_assets_path", stand_ins["hf"]]
+    if re.search(r"^tokenizer_path\s*=", text, flags=re.M):
+        out += ["--model.tokenizer_path", stand_ins["tiktoken"]]
+    if re.search(r"^dataset_path\s*=", text, flags=re.M):
+        out += ["--training.dataset_path", stand_ins["corpus"]]
+    return out
+
+
+@pytest.fixture
+def train_main(capsys):
+    """``train.main(argv)`` in this process: (exit code, stdout, stderr lines)."""
+    sys.path.insert(0, ROOT)
+    import train
+
+    def run(argv):
+        capsys.readouterr()
+        code = train.main(argv)
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err.strip().splitlines()
+
+    return run
+
+
+def test_every_config_has_a_world_size():
+    assert len(CONFIGS) >= 6
+    assert {os.path.basename(c): written_world_size(c) for c in CONFIGS}["llama3_8b_512k.toml"] == 32
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_shipped_config_passes_the_dry_run(path, stand_ins, train_main, tmp_path):
+    world = written_world_size(path)
+    dump = str(tmp_path / "run")
+    code, out, err = train_main(["--config", path, *overrides_for(path, stand_ins, dump),
+                                 "--dry-run", "--world-size", str(world)])
+    assert code == 0, err
+    assert out.startswith(f"dry run: {world} rank(s)"), out
+    sp = int(re.search(r"^ulysses_degree\s*=\s*(\d+)", open(path).read(), flags=re.M).group(1))
+    assert f"'sp': {sp}" in out and "memory per device (estimate)" in out and "weights at the first step" in out
+    assert not os.path.exists(dump), "a dry run wrote into job.dump_folder"
+
+
+def test_the_plan_names_the_model_data_memory_and_saves(stand_ins, train_main, tmp_path):
+    path = os.path.join(ROOT, "train_configs", "llama3_8b_128k_from_hf.toml")
+    dump = str(tmp_path / "run")
+    code, out, err = train_main(["--config", path, *overrides_for(path, stand_ins, dump), "--dry-run",
+                                 "--world-size", "8", "--device-memory-gib", "141"])
+    assert code == 0, err
+    lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    assert "LlamaForCausalLM 2 layers, dim 64, 8 heads (2 kv" in lines["model"] and "attention flex" in lines["model"]
+    assert "131072-token sequence over 8 rank(s) (16384 tokens each)" in lines["layout"]
+    assert "global batch 8 = local 1 x dp 1 x 8 microbatch(es)" in lines["layout"]
+    assert lines["training data"].startswith(f"text {stand_ins['corpus']}: 1 file(s)")
+    assert "first 8 rows tokenize to" in lines["training data"]
+    assert "of 141 GiB (--device-memory-gib)" in lines["memory per device (estimate)"]
+    for phase in ("loss forward", "loss backward", "layer backward", "embedding backward", "optimizer step"):
+        assert phase in lines["memory per device (estimate)"]
+    assert lines["checkpoints"].startswith(f"{dump}/checkpoint/step-N every 100 steps and at step 1000")
+    assert lines["weights at the first step"] == f"the Hugging Face folder {stand_ins['hf']} (its safetensors)"
+
+
+def test_packed_documents_on_sdpa_at_128k_are_refused(stand_ins, train_main, tmp_path):
+    """Why the shipped 128K config from a Hugging Face folder uses flex (until sdpa masks without [S, S])."""
+    path = os.path.join(ROOT, "train_configs", "llama3_8b_128k_from_hf.toml")
+    code, out, err = train_main(["--config", path, *overrides_for(path, stand_ins, str(tmp_path / "run")),
+                                 "--model.attn_backend", "sdpa", "--dry-run", "--world-size", "8"])
+    assert code == 2 and out == "" and len(err) == 1, err
+    assert err[0].startswith("config error: packed documents on model.attn_backend 'sdpa' need a dense"), err
+
+
+def test_a_plan_that_does_not_fit_the_device_is_refused_with_what_fits(train_main):
+    path = os.path.join(ROOT, "train_configs", "llama3_8b_128k.toml")
+    code, out, err = train_main(["--config", path, "--model.tokenizer", "byte", "--training.dataset", "passkey",
+                                 "--dry-run", "--world-size", "8", "--device-memory-gib", "24"])
+    assert code == 2 and out == "" and len(err) == 1, err
+    assert err[0].startswith("config error: the memory estimate of this config is ") and "recommends" in err[0], err
+    assert "more than the device's 24.0 GiB" in err[0], err
+    code, out, _ = train_main(["--config", path, "--model.tokenizer", "byte", "--training.dataset", "passkey",
+                               "--dry-run", "--world-size", "8", "--device-memory-gib", "80"])
+    assert code == 0 and "of 80 GiB (--device-memory-gib)" in out
+
+
+def test_data_sample_problems_are_refused_with_their_line(stand_ins, train_main, tmp_path):
+    base = ["--config", os.path.join(ROOT, "train_configs", "debug_model.toml"), "--dry-run", "--world-size", "2"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "broken\n')
+    code, _, err = train_main([*base, "--training.dataset", "text", "--training.dataset_path", str(bad)])
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"data error: {bad} line 2: not a JSON object"), err
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "x " * 300, "completion": "y"}) + "\n")
+    code, _, err = train_main([*base, "--training.dataset", "sft", "--training.dataset_path", str(long)])
+    assert code == 2 and len(err) == 1 and "is longer than training.seq_len 512" in err[0], err
+    assert "training.overlong_samples" in err[0]
+    code, _, err = train_main([*base, "--training.dataset", "text", "--training.dataset_path", str(tmp_path / "no")])
+    assert code == 2 and err[0].startswith("data error: training.dataset_path") and "does not exist" in err[0], err
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(stand_ins, train_main):
+    base = ["--config", os.path.join(ROOT, "train_configs", "debug_model.toml"), "--dry-run", "--world-size", "2"]
+    code, _, err = train_main([*base, "--model.tokenizer", "tiktoken", "--model.tokenizer_path", stand_ins["tiktoken"]])
+    assert code == 2 and err == ["config error: the tokenizer has 516 ids but model.flavor 'debugmodel' has "
+                                 "vocab_size 264"], err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "8"], "--world-size is an option of --dry-run"),
+    (["--dry-run", "--world-size", "0"], "--world-size expects a positive int, got '0'"),
+    (["--dry-run", "--world-size", "eight"], "--world-size expects a positive int, got 'eight'"),
+    (["--dry-run", "--device-memory-gib", "-1"], "--device-memory-gib expects a positive float, got '-1'"),
+])
+def test_dry_run_options_are_checked(argv, message, train_main):
+    code, _, err = train_main(["--config", os.path.join(ROOT, "train_configs", "debug_model.toml"), *argv])
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"config error: {message}"), err
+
+
+@pytest.mark.slow
+def test_the_command_line_exits_2_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", "--config", "train_configs/debug_model.toml", "--dry-run",
+                           "--world-size", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: parallelism"), proc.stderr

@@ -1,0 +1,46 @@
+"""The package's layers, read from the import statements of its files (function-local imports too):
+``config/`` is a leaf, and nothing inside the packages imports the trainer or the pre-flight module."""
+
+import ast
+import glob
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "titan_ulysses")
+
+
+def imported(path: str) -> set[str]:
+    """Every ``titan_ulysses`` module a file imports, at any depth of its code."""
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {n for n in names if n.startswith("titan_ulysses")}
+
+
+def files(folder: str = "") -> list[str]:
+    return sorted(glob.glob(os.path.join(PACKAGE, folder, "**", "*.py"), recursive=True))
+
+
+def test_config_imports_nothing_else_of_ours():
+    assert len(files("config")) >= 5
+    for path in files("config"):
+        others = {n for n in imported(path) if not n.startswith("titan_ulysses.config")}
+        assert not others, f"{os.path.relpath(path, ROOT)} imports {sorted(others)}; config/ must stay a leaf"
+
+
+def test_no_package_module_imports_the_trainer_or_the_preflight():
+    top = {os.path.join(PACKAGE, name) for name in ("trainer.py", "preflight.py")}
+    for path in files():
+        if path in top:
+            continue
+        above = {n for n in imported(path) if n.split(".")[1] in ("trainer", "preflight")}
+        assert not above, f"{os.path.relpath(path, ROOT)} imports {sorted(above)}, which sit above the packages"
+
+
+def test_the_check_sees_function_local_imports(tmp_path):
+    sample = tmp_path / "m.py"
+    sample.write_text("def f():\n    from titan_ulysses.models.resolve import model_args\n")
+    assert imported(str(sample)) == {"titan_ulysses.models.resolve", "titan_ulysses.models.resolve.model_args"}
