@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from helpers import BASE, layout
-from titan_ulysses.config.manager import ConfigError, check_files, load_config
+from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.preflight import check_files
 
 FAST = BASE + layout(sp=2) + ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--training.seed", "7"]
 
@@ -118,7 +119,7 @@ def test_flavor_run_and_initial_load_path_with_every_checkpoint_damaged(tmp_path
         "it records model.flavor 'debugmodel': set --model.flavor debugmodel")
 
     # a flavor run: its fresh start is the random init of training.seed, said as such
-    saved = _refuses_until_asked(short, a, capfd, "random init (training.seed 7", trained=True)
+    saved = _refuses_until_asked(short, a, capfd, "random init (training.seed 7", trained=True, refusals=1)
     _assert_same(saved, _random_init(get_flavor("debugmodel"), 7))
 
     # a run from another run's checkpoint: its fresh start is that checkpoint's weights again
