@@ -176,5 +176,7 @@ def test_initial_load_in_hf_false_means_the_architecture_only(tmp_path, capfd, h
     _run(["--model.hf_assets_path", str(hf_folder), "--checkpoint.initial_load_in_hf", "false",
           "--checkpoint.enable", "false"], tmp_path / "run", tmp_path / "start.pt")
     out = capfd.readouterr().out
-    assert "LlamaForCausalLM 2 layers, dim 64" in out and "weights from random init (training.seed 7" in out, out
+    assert "LlamaForCausalLM 2 layers, dim 64" in out and (
+        f"weights from random init (training.seed 7; checkpoint.initial_load_in_hf false: only the architecture of "
+        f"{hf_folder})") in out, out
     _assert_same(tmp_path / "start.pt", _random_init(load_hf_args(str(hf_folder)), 7))

@@ -37,6 +37,7 @@ class WeightSource:
     step: int = 0
     model_only: bool = True
     seed: int = 0
+    why: str = "no checkpoint, initial_load_path or Hugging Face weights"  # of a random init
 
     def describe(self) -> str:
         if self.kind == "checkpoint":
@@ -46,7 +47,7 @@ class WeightSource:
             return f"checkpoint.initial_load_path {self.path} ({what})"
         if self.kind == "hf":
             return f"the Hugging Face folder {self.path} (its safetensors)"
-        return f"random init (training.seed {self.seed}; no checkpoint, initial_load_path or Hugging Face weights)"
+        return f"random init (training.seed {self.seed}; {self.why})"
 
 
 def hf_has_weights(folder: str) -> bool:
@@ -75,6 +76,12 @@ def fresh_source(config) -> WeightSource:
         return WeightSource("initial_load_path", c.initial_load_path, model_only=c.initial_load_model_only)
     if hf_weights_wanted(config):
         return WeightSource("hf", config.model.hf_assets_path)
+    path = config.model.hf_assets_path
+    if path and c.initial_load_in_hf is False:
+        return WeightSource("random", seed=config.training.seed,
+                            why=f"checkpoint.initial_load_in_hf false: only the architecture of {path}")
+    if path and config.comm.mode != "fake":
+        return WeightSource("random", seed=config.training.seed, why=f"{path} has no *.safetensors")
     return WeightSource("random", seed=config.training.seed)
 
 
