@@ -86,7 +86,8 @@ def apply_record(config, checkpoint: str, overrides: list[str]) -> tuple[dict | 
     record = read_model_record(checkpoint)
     assets = os.path.join(checkpoint, ASSETS)
     if record is None:
-        notes.append(f"{checkpoint} has no model_args.json (written before it existed): the model comes from the config")
+        notes.append(f"{checkpoint} has no model_args.json (written before it existed): the model comes from "
+                     f"the config")
     elif record[1] is not None and not config.model.hf_assets_path and os.path.isdir(assets):
         config.model.hf_assets_path = assets  # the architecture (and tokenizer files) of a run from a HF folder
     settings = read_data_settings(checkpoint)
@@ -95,7 +96,8 @@ def apply_record(config, checkpoint: str, overrides: list[str]) -> tuple[dict | 
         return None, notes
     if settings.get("tokenizer") not in (None, config.model.tokenizer):
         raise SystemExit(f"the checkpoint was trained with model.tokenizer {settings['tokenizer']!r} but the config "
-                         f"says {config.model.tokenizer!r}: pass --model.tokenizer {settings['tokenizer']} (and its path)")
+                         f"says {config.model.tokenizer!r}: pass --model.tokenizer {settings['tokenizer']} "
+                         f"(and its path)")
     if "passkey_digits" in settings and not _given(overrides, "training.passkey_digits"):
         config.training.passkey_digits = settings["passkey_digits"]
     return settings, notes
@@ -227,7 +229,8 @@ def main(argv=None) -> int:
     result = {
         "checkpoint": a.checkpoint, "config": a.config, "overrides": overrides, "layout": pd.degrees,
         "trained_seq_len": settings["seq_len"] if settings else None, "digits": digits,
-        "rope_theta": args.rope_theta, "rope_scaling_factor": args.rope_scaling.factor if args.rope_scaling else None, "lengths": a.lengths, "depths": a.depths, "samples": a.samples,
+        "rope_theta": args.rope_theta, "rope_scaling_factor": args.rope_scaling.factor if args.rope_scaling else None,
+        "lengths": a.lengths, "depths": a.depths, "samples": a.samples,
         "accuracy": [[cell[0] for cell in row] for row in grid],
         "digit_accuracy": [[cell[1] for cell in row] for row in grid],
         "digit_nll": [[cell[2] for cell in row] for row in grid],

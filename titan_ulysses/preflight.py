@@ -36,7 +36,12 @@ import os
 from titan_ulysses.checkpoint.hf import check_hf_weights
 from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
 from titan_ulysses.checkpoint.manager import complete_steps
-from titan_ulysses.checkpoint.weight_source import adopt_start_record, damaged_checkpoints, fresh_source, hf_weights_wanted
+from titan_ulysses.checkpoint.weight_source import (
+    adopt_start_record,
+    damaged_checkpoints,
+    fresh_source,
+    hf_weights_wanted,
+)
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError, check_config, check_requirements, resolved_global_batch_size
 from titan_ulysses.data.datasets import PasskeyDataset

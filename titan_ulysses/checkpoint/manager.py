@@ -48,7 +48,7 @@ from titan_ulysses.checkpoint import manifest
 from titan_ulysses.checkpoint.safety import explain_save_error, nonfinite_tensors, set_aside, state_bytes
 from titan_ulysses.checkpoint.state import training_state
 from titan_ulysses.checkpoint.steps import STEP_DIR as _STEP_DIR
-from titan_ulysses.checkpoint.steps import complete_steps, missing_checkpoint  # noqa: F401 (complete_steps: public here)
+from titan_ulysses.checkpoint.steps import complete_steps, missing_checkpoint  # noqa: F401 (public here)
 from titan_ulysses.data.sources import DataError
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
