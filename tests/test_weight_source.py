@@ -180,3 +180,33 @@ def test_initial_load_in_hf_false_means_the_architecture_only(tmp_path, capfd, h
         f"weights from random init (training.seed 7; checkpoint.initial_load_in_hf false: only the architecture of "
         f"{hf_folder})") in out, out
     _assert_same(tmp_path / "start.pt", _random_init(load_hf_args(str(hf_folder)), 7))
+
+
+def test_the_fresh_start_order_without_a_process_group(tmp_path):
+    """Which source a fresh start takes for each combination of settings (no weights are read)."""
+    from titan_ulysses.checkpoint.weight_source import damaged_checkpoints, fresh_source
+
+    with_weights, without = tmp_path / "hf", tmp_path / "arch_only"
+    for folder in (with_weights, without):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    (with_weights / "model.safetensors").write_bytes(b"")
+
+    def source(*argv):
+        return fresh_source(load_config(list(argv)))
+
+    assert source().kind == "random"
+    assert source("--model.hf_assets_path", str(with_weights)).kind == "hf"  # unset: the folder's weights
+    assert source("--model.hf_assets_path", str(with_weights), "--checkpoint.initial_load_in_hf", "true").kind == "hf"
+    off = source("--model.hf_assets_path", str(with_weights), "--checkpoint.initial_load_in_hf", "false")
+    assert off.kind == "random" and "initial_load_in_hf false" in off.describe()
+    none = source("--model.hf_assets_path", str(without))
+    assert none.kind == "random" and f"{without} has no *.safetensors" in none.describe()
+    first = source("--model.hf_assets_path", str(with_weights), "--checkpoint.initial_load_path", "x/step-3")
+    assert first.kind == "initial_load_path" and first.describe() == "checkpoint.initial_load_path x/step-3 (model only)"
+    fake = source("--model.hf_assets_path", str(with_weights), "--comm.mode", "fake")
+    assert fake.kind == "random"  # a fake process group never reads real weights
+
+    for name in ("step-2.bad", "step-10.bad", "step-2.bad-2", "step-3", "step-4.tmp", ".run.lock"):
+        (tmp_path / "ckpt" / name).mkdir(parents=True)
+    assert damaged_checkpoints(str(tmp_path / "ckpt")) == ["step-10.bad", "step-2.bad-2", "step-2.bad"]
