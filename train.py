@@ -66,6 +66,7 @@ def main(argv: list[str]) -> int:
         return 0
 
     from titan_ulysses.checkpoint.errors import RunRefused  # a folder in use, every checkpoint damaged
+    from titan_ulysses.checkpoint.lora_export import AdapterMismatchError
 
     try:
         argv, dry = dry_run_options(argv)
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> int:
         from titan_ulysses.trainer import Trainer
 
         trainer = Trainer(config)
-    except (ConfigError, DataError, RunRefused) as e:
+    except (ConfigError, DataError, RunRefused, AdapterMismatchError) as e:
         if os.environ.get("RANK", "0") == "0":
             kind = "config error" if isinstance(e, ConfigError) else "data error" if isinstance(e, DataError) else "refused"
             print(f"{kind}: {e}", file=sys.stderr, flush=True)

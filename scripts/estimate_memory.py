@@ -33,6 +33,7 @@ sp = 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -92,12 +93,34 @@ def estimated_saved_activations(args, layout, switches: Switches, seq_len: int, 
     return est.saved_activations + logits - rope
 
 
+@contextlib.contextmanager
+def _block_progress(passes: int, desc: str):
+    """A tqdm bar on stderr over the transformer blocks' forwards (``passes``: the tracker's two
+    steps; recomputation under activation checkpointing counts again, so the bar may pass its total)."""
+    import torch
+    from tqdm import tqdm
+
+    bar = tqdm(total=passes, desc=desc, unit="block", file=sys.stderr, leave=True, dynamic_ncols=True)
+
+    def count(module, args, output):
+        if type(module).__name__.endswith("TransformerBlock"):
+            bar.update()
+
+    handle = torch.nn.modules.module.register_module_forward_hook(count)
+    try:
+        yield bar
+    finally:
+        handle.remove()
+        bar.close()
+
+
 def track(args, layout, switches, seq_len: int, batch: int, est) -> dict:
     """The CPU tracker's step (``metrics/memory_track.py``) beside the estimate, phase by phase."""
     from titan_ulysses.metrics.memory_track import track_step
 
     try:
-        step = track_step(args, layout, switches, seq_len, batch)
+        with _block_progress(args.n_layers * switches.microbatches * 2, "--track: block forwards"):
+            step = track_step(args, layout, switches, seq_len, batch)
     except ValueError as e:
         raise SystemExit(f"--track: {e}") from e
     phases = step.summary()

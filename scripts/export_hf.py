@@ -13,6 +13,10 @@ files (``hf_assets/``): the export is then a complete folder that
 ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` load. Weights above
 --max-shard-size are split into ``model-0000i-of-0000n.safetensors`` with an index.
 
+A LoRA run's checkpoint exports as the merged model (each adapted weight W + alpha/rank * B @ A);
+with --adapter-only it exports as a peft folder instead (adapter_config.json +
+adapter_model.safetensors, the base model named in it) for ``peft.PeftModel.from_pretrained``.
+
 Checkpoints written before the record existed: pass --flavor (and --rope-theta /
 --rope-scaling-factor when the run overrode model.rope_theta / model.rope_scaling_factor).
 """
@@ -25,6 +29,7 @@ import sys
 import torch
 
 from titan_ulysses.checkpoint.hf_export import export_hf, source_dtype
+from titan_ulysses.checkpoint.lora_export import export_peft_adapter
 from titan_ulysses.models.llama.args import RopeScaling, get_flavor
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -53,6 +58,10 @@ def main(argv=None) -> int:
                         help="with --flavor: model.rope_scaling_factor of the run")
     parser.add_argument("--max-position-embeddings", type=int, default=131072,
                         help="max_position_embeddings written to config.json (the source folder's value wins)")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="LoRA checkpoints: write only the adapters, as a peft folder")
+    parser.add_argument("--base-model", default="",
+                        help="with --adapter-only: base_model_name_or_path to write (default: the run's model.hf_assets_path)")
     a = parser.parse_args(argv)
     args = None
     if a.flavor:
@@ -64,6 +73,10 @@ def main(argv=None) -> int:
                 args, rope_scaling=dataclasses.replace(args.rope_scaling or RopeScaling(), factor=a.rope_scaling_factor)
             )
     try:
+        if a.adapter_only:
+            written = export_peft_adapter(a.checkpoint, a.output, a.base_model)
+            print(f"wrote {a.output}: {', '.join(written)}")
+            return 0
         dtype = getattr(torch, a.dtype) if a.dtype else source_dtype(a.checkpoint)
         written = export_hf(a.checkpoint, args, a.output, dtype, a.max_position_embeddings, a.max_shard_size)
     except (OSError, ValueError) as e:

@@ -36,7 +36,9 @@ def test_every_guide_command_runs(tmp_path):
     for path in ("guide/checkpoint/step-15/.metadata", "guide_1k/checkpoint/step-5/.metadata",
                  "guide_needle.json", "guide_needle.png", "guide_hf/config.json", "guide_hf/model.safetensors",
                  "guide_from_hf/metrics.jsonl",
-                 "guide_sft/checkpoint/step-10/.metadata"):
+                 "guide_sft/checkpoint/step-10/.metadata",
+                 "guide_metrics.png", "guide_plan.toml", "guide_long.json", "guide_long.png",
+                 "guide_lora_peft/adapter_config.json", "guide_lora_peft/adapter_model.safetensors"):
         assert (tmp_path / path).exists(), path
 
 

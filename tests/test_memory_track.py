@@ -37,6 +37,11 @@ CASES = {
     # over the layer's backward (a safe-side error, allowed below; not the peak)
     "full-ac-chunked-loss-sp3": (Layout(sp=3), Switches(ac_mode="full", loss_chunk_size=8192), 3 * 16384,
                                  "loss backward"),
+    # LoRA rank 16: the frozen base in bf16 without gradients or optimizer state, no output-weight or
+    # embedding gradient (backward ends at block 0); the shipped 8B switches at sp=8, and no AC at dp 2 x sp 4
+    "lora-full-ac-chunked-loss-sp8": (Layout(sp=8), Switches(ac_mode="full", loss_chunk_size=8192, lora_rank=16),
+                                      131072, "loss backward"),
+    "lora-no-ac-plain-loss-dp2-sp4": (Layout(dp_shard=2, sp=4), Switches(lora_rank=16), 32768, "loss backward"),
 }
 OVER = {"full-ac-chunked-loss-sp3": {"layer backward": 0.05}}  # known over-estimates, per phase
 

@@ -144,7 +144,7 @@ def test_metrics_lines_stay_whole_when_a_write_fails(tmp_path, monkeypatch):
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "lo')  # a line cut by an older crash
-    log = metrics_logger.MetricsLogger(str(tmp_path), 0, False)
+    log = metrics_logger.MetricsLogger(str(tmp_path), 0)
     assert path.read_text() == '{"step": 1}\n'
     real = os.write
 

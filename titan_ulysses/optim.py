@@ -17,7 +17,9 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
         raise ValueError(f"optimizer.name {name!r} is not supported; use 'AdamW'")
     # fused kernels on CUDA; foreach (multi-tensor) elsewhere
     impl = {"fused": True} if device_type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl)
+    # frozen parameters (the LoRA base) get no optimizer state
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl)
 
 
 def wsd_factor(step: int, total_steps: int, warmup_steps: int, decay_ratio: float,

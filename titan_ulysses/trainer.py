@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ulysses.checkpoint.hf_export import write_model_record
+from titan_ulysses.checkpoint.lora_export import write_lora_record
 from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.checkpoint.weight_source import adopt_start_record, load_start_weights
@@ -24,12 +26,16 @@ from titan_ulysses.data.sharding import shard_loader_batch
 from titan_ulysses.data.tokenizer import build_tokenizer
 from titan_ulysses.distributed.float8 import float8_options, precompute_float8_scales
 from titan_ulysses.distributed.heads import uneven_note
+from titan_ulysses.distributed.lora import init_lora, lora_options, parameter_counts
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, global_token_count, load_full_state_dict
 from titan_ulysses.distributed.watchdog import exit_with_launcher, set_timeouts
 from titan_ulysses.metrics.comm import context_parallel_bytes_per_step, ulysses_bytes_per_step
 from titan_ulysses.metrics.flops import flops_per_token, peak_flops
 from titan_ulysses.metrics.logger import MetricsLogger, max_memory_gib
+from titan_ulysses.metrics.loggers.wandb_logger import WandbError
+from titan_ulysses.metrics.progress import RunProgress
+from titan_ulysses.metrics.system import WaitTimer, system_metrics
 from titan_ulysses.models.hf_config import describe
 from titan_ulysses.models.llama.args import LlamaArgs
 from titan_ulysses.models.llama.model import Transformer
@@ -73,7 +79,7 @@ def init_distributed(fake_world_size: int = 0, timeout_seconds: float | None = N
     return device
 
 
-def init_weights(model: Transformer, args: LlamaArgs, device: torch.device, seed: int) -> None:
+def init_weights(model: Transformer, args: LlamaArgs, device: torch.device, seed: int, lora: bool = False) -> None:
     """Initialise the sharded model so that its weights do not depend on the layout.
 
     On CUDA, DTensor's offset-based RNG makes sharded init equal to unsharded init. On CPU
@@ -85,7 +91,7 @@ def init_weights(model: Transformer, args: LlamaArgs, device: torch.device, seed
         full = Transformer(args)
         torch.manual_seed(seed)
         full.init_weights()
-        load_full_state_dict(model, full.state_dict())
+        load_full_state_dict(model, full.state_dict(), strict=not lora)  # LoRA adapters: init_lora
     else:
         torch.manual_seed(seed)
         model.init_weights(buffer_device=device)
@@ -143,6 +149,7 @@ class Trainer:
             reduce_dtype=DTYPES[t.mixed_precision_reduce],
             cpu_offload=t.enable_cpu_offload,
             float8=float8_options(config),
+            lora=lora_options(config.lora),
         )
         self.float8 = options.float8
         self.model = parallelize_llama(model, pd, options)
@@ -150,6 +157,7 @@ class Trainer:
         c = config.checkpoint
         ckpt_folder = os.path.join(config.job.dump_folder, c.folder)
         self.model.init_buffers(self.device)  # the weights come from load_start_weights below
+        self.trainable_params, self.total_params = parameter_counts(self.model)
 
         o = config.optimizer
         # with CPU offload the optimizer steps on host-resident shards
@@ -164,19 +172,27 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, enable=c.enable, interval=c.interval,
             async_mode=c.async_mode, keep_latest_k=c.keep_latest_k, settings=resume_settings(config),
             timeout_seconds=config.comm.init_timeout_seconds,
-            extras=lambda d: write_model_record(d, self.args, config.model.hf_assets_path),
+            extras=lambda d: (write_model_record(d, self.args, config.model.hf_assets_path),
+                              write_lora_record(d, options.lora, config.model.hf_assets_path or config.model.flavor)),
         )
         # one decision: this run's newest good checkpoint, initial_load_path, the HF folder, random init
-        self.weights = load_start_weights(config, self.checkpointer, self.model,
-                                          lambda: init_weights(self.model, self.args, self.device, t.seed))
+        lora = options.lora is not None
+        self.weights = load_start_weights(
+            config, self.checkpointer, self.model,
+            lambda: init_weights(self.model, self.args, self.device, t.seed, lora=lora),
+            # adapters start as peft's (B = 0); a checkpoint replaces them
+            init_adapters=(lambda: init_lora(self.model, t.seed)) if lora else None,
+        )
         self.step = self.weights.step
         resumed = ""
         if self.step > 0:  # the config wins over the restored optimizer and schedule
             apply_hyperparameters(self.optimizer, self.lr_scheduler, o.lr, o.weight_decay, o.eps, (o.beta1, o.beta2))
             resumed = f"; resumed: {settings_changes(self.checkpointer.loaded_settings, resume_settings(config))}"
         self.nonfinite_in_a_row = 0
-        self.metrics = MetricsLogger(config.job.dump_folder, self.rank, config.metrics.enable_tensorboard)
-        self.flops_per_token = flops_per_token(self.args, t.seq_len)
+        self.metrics = self._build_metrics_logger()
+        self.data_wait = WaitTimer()
+        self.flops_per_token = flops_per_token(self.args, t.seq_len,
+                                               self.trainable_params if options.lora is not None else 0)
         self.peak_flops = peak_flops(self.device)
         # packed rows hold several documents: every backend masks per document (sdpa densely)
         self.use_doc_mask = self.data.packed
@@ -201,7 +217,10 @@ class Trainer:
                 attention += f" ({' > '.join(order)})" if order else " (PyTorch's kernel order)"
             print(
                 f"titan-ulysses: {self.args.num_params() / 1e6:.1f}M params, {source}, "
-                f"layout {pd.degrees}, global batch {self.global_batch_size} x {t.seq_len} tokens "
+                + (f"LoRA rank {options.lora.rank} on {','.join(options.lora.targets)}: "
+                   f"{self.trainable_params / 1e6:.3f}M trainable of {self.total_params / 1e6:.1f}M, "
+                   if options.lora is not None else "")
+                + f"layout {pd.degrees}, global batch {self.global_batch_size} x {t.seq_len} tokens "
                 f"({self.accumulation_steps} microbatch(es)), device {self.device.type}, attention {attention}, "
                 f"starting at step {self.step}"
                 + resumed
@@ -243,6 +262,22 @@ class Trainer:
             raise FolderInUseError(box[0])
         return lock
 
+    def _build_metrics_logger(self) -> MetricsLogger:
+        """Rank 0's loggers; a W&B start-up failure (no login) reaches every rank as a config error."""
+        logger, error = None, None
+        try:
+            logger = MetricsLogger(self.config.job.dump_folder, self.rank, self.config.metrics,
+                                   dataclasses.asdict(self.config), resumed=self.step > 0)
+        except WandbError as e:
+            error = str(e)
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            if self.lock is not None:
+                self.lock.release()  # the run never starts
+            raise ConfigError(box[0])
+        return logger
+
     def _on_preempt(self, signum, frame) -> None:
         self._preempted = True
 
@@ -250,7 +285,7 @@ class Trainer:
         """This rank's microbatches of one step; ``stats`` += [padding tokens, tokens, truncated samples]."""
         sp_mesh, cp_mesh = self.parallel_dims.get_mesh("sp"), self.parallel_dims.get_mesh("cp")
         for _ in range(self.accumulation_steps):
-            batch = next(data_iter)
+            batch = self.data_wait.next(data_iter)
             stats += torch.tensor([float((batch["document_ids"] == -1).sum()), float(batch["input"].numel()),
                                    float(batch["truncated"].sum()) if "truncated" in batch else 0.0])
             yield shard_loader_batch(batch, sp_mesh.get_local_rank(), sp_mesh.size(), self.device,
@@ -324,11 +359,13 @@ class Trainer:
         world = dist.get_world_size()
         timer, steps_timed = time.perf_counter(), 0
         first_step = True
+        progress = RunProgress(self.step, t.steps, tokens_per_step)
         try:
             while self.step < t.steps:
                 lr = self.lr_scheduler.get_last_lr()[0]
                 out = self.train_step(data_iter)
                 self.step += 1
+                progress.last_loss = out["loss"]
                 steps_timed += 1
                 if first_step and not self.fake:  # start-up and compilation are over
                     set_timeouts(self.config.comm.train_timeout_seconds, exclude=(self.checkpointer.group,))
@@ -340,14 +377,20 @@ class Trainer:
                     self.metrics.log({
                         "step": self.step, **out, "lr": lr, "tokens_per_sec_per_device": tps,
                         "mfu": mfu, "max_memory_gib": max_memory_gib(self.device),
+                        "trainable_params": self.trainable_params, "params": self.total_params,
                         "a2a_gib_per_step": self.a2a_bytes / 2**30,
                         "a2a_model_sec": self.a2a_bytes / (self.config.comm.link_bandwidth_gbps * 1e9),
                         **({"cp_gib_per_step": self.cp_bytes / 2**30} if self.cp_bytes else {}),
+                        "data_wait_sec": self.data_wait.take() / steps_timed,  # rank 0's, per step
+                        **system_metrics(self.device, self.model, self.optimizer),
+                        **progress.timing(self.step),
                     })
                     timer, steps_timed = time.perf_counter(), 0
                 if self.validator is not None and self.validator.due(self.step):
                     started = time.perf_counter()
-                    self.metrics.log_validation(self.step, self.validator.run())
+                    result = self.validator.run()
+                    self.metrics.log_validation(self.step, result)
+                    progress.validation = (self.step, result["validation_loss"])
                     timer += time.perf_counter() - started  # evaluation time is not training throughput
                 preempted = self._preempted_anywhere()
                 self.checkpointer.save(self.step, force=preempted or self.step == t.steps)
@@ -355,6 +398,7 @@ class Trainer:
                     if self.rank == 0:
                         print(f"preempted: saved step {self.step}, exiting", flush=True)
                     break
+            self._summary(progress)
         except RuntimeError as e:
             if "timed out" not in str(e).lower():
                 raise
@@ -368,6 +412,14 @@ class Trainer:
             for lock in (self.checkpoint_lock, self.lock):
                 if lock is not None:
                     lock.release()
+
+    def _summary(self, progress: RunProgress) -> None:
+        if self.rank != 0:
+            return
+        # the last step is always saved (an async save completes at close)
+        checkpoint = os.path.join(self.checkpointer.folder, f"step-{self.step}") if self.checkpointer.enable else None
+        self.metrics.log_summary(progress.summary(
+            self.step, checkpoint, os.path.join(self.config.job.dump_folder, "metrics.jsonl")))
 
     def _preempted_anywhere(self) -> bool:
         """A signal may reach only some ranks: agree on it so that all of them save together."""

@@ -78,7 +78,8 @@ def load_hf_weights(model: nn.Module, folder: str, thread_count: int = 1) -> Non
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     names = name_map(model.args)
-    state = get_model_state_dict(model)
+    everything = get_model_state_dict(model)
+    state = {k: v for k, v in everything.items() if not k.endswith((".lora_A", ".lora_B"))}
     hf_state, permuted = {}, {}
     for ours, tensor in state.items():
         theirs, heads = names[ours]
@@ -90,4 +91,5 @@ def load_hf_weights(model: nn.Module, folder: str, thread_count: int = 1) -> Non
     dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(folder, thread_count=thread_count))
     for ours, (buf, heads) in permuted.items():
         state[ours] = _to_our_layout(buf, heads)
-    set_model_state_dict(model, state, options=StateDictOptions(strict=True))
+    # LoRA adapters are not in the folder: they keep their values (init_lora or a checkpoint)
+    set_model_state_dict(model, state, options=StateDictOptions(strict=len(state) == len(everything)))

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_ulysses.checkpoint.hf_adapter import interleaved_to_halves, name_map
+from titan_ulysses.checkpoint.lora_export import merge, pop_adapters, scaling_of
 from titan_ulysses.checkpoint.steps import missing_checkpoint
 from titan_ulysses.models.hf_config import ARCHITECTURES
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
@@ -177,7 +178,9 @@ def check_dcp_model_shapes(checkpoint_dir: str, args: LlamaArgs) -> None:
     reason = missing_checkpoint(checkpoint_dir)
     if reason:
         raise FileNotFoundError(reason)
-    found = {k: tuple(m.size) for k, m in _model_metadata(checkpoint_dir).items()}
+    meta = _model_metadata(checkpoint_dir)
+    pop_adapters(meta)  # a LoRA run's adapters: their base weights are what must fit
+    found = {k: tuple(m.size) for k, m in meta.items()}
     try:
         check_checkpoint_shapes(found, args, "of this run (model.flavor / model.hf_assets_path)")
     except ValueError as e:
@@ -244,6 +247,8 @@ def export_hf(checkpoint_dir: str, args: LlamaArgs | None, output_dir: str, dtyp
     elif record is not None:
         base = record[1]
     meta = _model_metadata(checkpoint_dir)
+    adapters = pop_adapters(meta)  # a LoRA run's: merged into their base weights below
+    scaling = scaling_of(checkpoint_dir, adapters)
     check_checkpoint_shapes({k: tuple(m.size) for k, m in meta.items()}, args, "given (flavor / overrides)")
     names = name_map(args)
     sizes = {ours: meta[ours].size.numel() * dtype.itemsize for ours in names}
@@ -253,12 +258,17 @@ def export_hf(checkpoint_dir: str, args: LlamaArgs | None, output_dir: str, dtyp
     for i, shard in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         state = {}
-        for ours, w in read_model_weights(checkpoint_dir, shard).items():
+        weights = read_model_weights(checkpoint_dir, shard + [n for ours in shard for n in adapters.get(ours, ())])
+        for ours in shard:
+            w = weights[ours]
+            if ours in adapters:
+                w = merge(w, weights[adapters[ours][0]], weights[adapters[ours][1]], scaling)
             theirs, heads = names[ours]
             w = interleaved_to_halves(w, heads) if heads else w
             state[theirs] = w.to(dtype).contiguous()
             weight_map[theirs] = file
             total += sizes[ours]
+        del weights
         save_file(state, os.path.join(output_dir, file), metadata={"format": "pt"})
         written.append(file)
         del state

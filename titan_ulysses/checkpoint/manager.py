@@ -45,6 +45,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_ulysses.checkpoint import manifest
+from titan_ulysses.checkpoint.lora_export import AdapterMismatchError, check_adapters, model_only_planner
 from titan_ulysses.checkpoint.safety import explain_save_error, nonfinite_tensors, set_aside, state_bytes
 from titan_ulysses.checkpoint.state import training_state
 from titan_ulysses.checkpoint.steps import STEP_DIR as _STEP_DIR
@@ -341,7 +342,7 @@ class CheckpointManager:
             if reason is None:
                 try:
                     loaded = self._load_full(path)
-                except DataError:  # a sound checkpoint of other data settings: refuse, never set it aside
+                except (DataError, AdapterMismatchError):  # sound, of other settings: refuse, never set aside
                     raise
                 except LOAD_ERRORS as e:
                     loaded, reason = None, f"loading failed: {type(e).__name__}: {str(e).strip()[:500]}"
@@ -371,7 +372,9 @@ class CheckpointManager:
         return self._load_full(path)
 
     def _load_full(self, path: str) -> int:
-        saved = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+        check_adapters(self.model, metadata, path)  # LoRA: the adapters must be this run's
+        saved = set(metadata)
         keys = {key.split(".", 1)[1] for key in saved if key.startswith("train_state.")}
         state = self._state(train_keys=keys)
         if "dataloader.dataset_state.data_settings" not in saved and hasattr(self.dataloader, "dataset"):
@@ -390,4 +393,5 @@ class CheckpointManager:
         reason = self.verify(path)
         if reason:
             raise ValueError(f"checkpoint {path} fails verification: {reason}")
-        dcp.load(self._state(model_only=True), checkpoint_id=path, process_group=self._pg)
+        planner = model_only_planner(self.model, path)  # LoRA: a base checkpoint has no adapters
+        dcp.load(self._state(model_only=True), checkpoint_id=path, process_group=self._pg, planner=planner)

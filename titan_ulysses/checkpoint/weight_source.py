@@ -123,15 +123,18 @@ def _all_damaged(folder: str, bad: list[str], fresh: WeightSource) -> AllCheckpo
     )
 
 
-def load_start_weights(config, checkpointer, model, init_random) -> WeightSource:
+def load_start_weights(config, checkpointer, model, init_random, init_adapters=None) -> WeightSource:
     """Decide where the weights come from, load them into ``model`` and return the source. Collective.
 
     ``checkpointer`` is the run's CheckpointManager (its folder is this run's checkpoint folder);
-    ``init_random()`` initialises the model's weights from ``training.seed``. The model's buffers
-    must be initialised already.
+    ``init_random()`` initialises the model's weights from ``training.seed``; ``init_adapters()``
+    (LoRA runs) gives the adapters their initial values, which a checkpoint then replaces. The
+    model's buffers must be initialised already.
     """
     c = config.checkpoint
     fresh = fresh_source(config)
+    if init_adapters is not None:
+        init_adapters()
     if c.enable:
         step = checkpointer.load()
         if step > 0:
@@ -151,4 +154,6 @@ def load_start_weights(config, checkpointer, model, init_random) -> WeightSource
         load_hf_weights(model, fresh.path)
         return fresh
     init_random()
+    if init_adapters is not None:
+        init_adapters()  # again: a base init may touch them (deterministic: the same values)
     return fresh

@@ -207,6 +207,18 @@ class Metrics:
     """Log every this many steps (and the first and last)."""
     enable_tensorboard: bool = False
     """Also write tensorboard events under dump_folder/tb."""
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (rank 0; `pip install wandb`). WANDB_MODE=offline needs no
+    network (upload later with `wandb sync`); the run files go under dump_folder/wandb, and a
+    resume from this folder's checkpoint continues the same W&B run."""
+    wandb_project: str = "titan-ulysses"
+    """W&B project of the run (no / \\ # ? % : characters, at most 128 long)."""
+    wandb_entity: str = ""
+    """W&B team or user the project belongs to; "" = your default entity."""
+    wandb_run_name: str = ""
+    """Display name of the W&B run; "" = the dump folder's name."""
+    wandb_tags: str = ""
+    """Comma-separated W&B tags, e.g. "long-context,sp8" (each at most 64 characters)."""
 
 
 @dataclass
@@ -241,6 +253,39 @@ class Comm:
     instead of gloo's 30-minute (NCCL: 10-minute) default."""
 
 
+# lora.target_modules: the projections of a block, by Hugging Face name -> our name (models/llama/model.py)
+LORA_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
+                "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def parse_lora_targets(text: str) -> tuple[str, ...]:
+    """``lora.target_modules`` (comma-separated, Hugging Face names or ours) -> Hugging Face names in
+    block order; ValueError naming the valid ones for an unknown name."""
+    ours = {v: k for k, v in LORA_TARGETS.items()}
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LORA_TARGETS and n not in ours]
+    if unknown or not names:
+        what = f"unknown module {unknown[0]!r}" if unknown else "is empty"
+        raise ValueError(f"lora.target_modules: {what}; valid: {', '.join(LORA_TARGETS)} "
+                         f"(or ours: {', '.join(ours)})")
+    chosen = {ours.get(n, n) for n in names}
+    return tuple(n for n in LORA_TARGETS if n in chosen)
+
+
+@dataclass
+class LoRA:
+    rank: int = 0
+    """Rank of the LoRA adapters; 0 = off (full fine-tuning). With rank > 0 every base weight is
+    frozen in the compute dtype (no gradient, no optimizer state) and only the adapters train."""
+    alpha: float = 16.0
+    """The adapters' update is scaled by alpha / rank (peft's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input during training (peft's lora_dropout), in [0, 1)."""
+    target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated projections given adapters: Hugging Face names (q_proj, k_proj, v_proj,
+    o_proj, gate_proj, up_proj, down_proj) or ours (wq, wk, wv, wo, w1, w3, w2). Default: all."""
+
+
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
@@ -256,6 +301,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
+    lora: LoRA = field(default_factory=LoRA)
 
 
 # Settings with a fixed set of values.

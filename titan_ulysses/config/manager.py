@@ -11,7 +11,8 @@ try:
 except ImportError:  # Python < 3.11
     import tomli as tomllib
 
-from titan_ulysses.config.job_config import CHOICES, JobConfig
+from titan_ulysses.config.job_config import CHOICES, JobConfig, parse_lora_targets
+from titan_ulysses.config.metrics_settings import check_metrics
 from titan_ulysses.config.ranges import check_ranges
 
 
@@ -126,7 +127,7 @@ def check_config(config: JobConfig, world_size: int) -> int:
     against ``comm.fake_world_size``. The checks that need the model, the parallelism
     layout, this machine or the files a setting names are ``titan_ulysses/preflight.py``'s.
     """
-    refusal = check_ranges(config)
+    refusal = check_ranges(config) or check_metrics(config.metrics)
     if refusal:
         raise ConfigError(refusal)
     if config.comm.mode == "fake":
@@ -138,7 +139,30 @@ def check_config(config: JobConfig, world_size: int) -> int:
             raise ConfigError("checkpoint.initial_load_in_hf must be false with comm.mode 'fake' (a fake process "
                               "group cannot load real weights; the architecture still comes from model.hf_assets_path)")
         world_size = config.comm.fake_world_size
+    _check_lora(config)
     return world_size
+
+
+def _check_lora(config: JobConfig) -> None:
+    """lora.target_modules names (always: a typo should not wait for rank > 0) and what LoRA does not compose with."""
+    lora, tp = config.lora, config.parallelism.tensor_parallel_degree
+    try:
+        targets = parse_lora_targets(lora.target_modules)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
+    if lora.rank > 0 and lora.dropout > 0 and config.model.mlp_tile_size > 0 and mlp:
+        raise ConfigError(
+            f"lora.dropout {lora.dropout} with model.mlp_tile_size {config.model.mlp_tile_size}: the tiled MLP "
+            f"recomputes each tile in backward, where the adapters of {', '.join(mlp)} would draw other dropout "
+            f"masks; set lora.dropout 0, model.mlp_tile_size 0, or leave the MLP out of lora.target_modules"
+        )
+    if lora.rank > 0 and tp > 1:
+        raise ConfigError(
+            f"lora.rank {lora.rank} with parallelism.tensor_parallel_degree {tp} is not supported: "
+            f"tensor parallelism shards only the base projections, the adapters would need plans of their own; "
+            f"use ulysses_degree / context_parallel_degree / data_parallel_shard_degree (tensor_parallel_degree 1)"
+        )
 
 
 def check_requirements(config: JobConfig) -> None:

@@ -43,6 +43,9 @@ RANGES: dict[str, tuple] = {
     "comm.link_bandwidth_gbps": (0, None, False, False),
     "comm.init_timeout_seconds": (0, None, False, False),
     "comm.train_timeout_seconds": (0, None, False, False),
+    "lora.rank": (0, None, True, False),  # 0 = off
+    "lora.alpha": (0, None, False, False),
+    "lora.dropout": (0, 1, True, False),
 }
 # Checked elsewhere, with the context they need.
 EXEMPT = {

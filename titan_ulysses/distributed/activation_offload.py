@@ -59,11 +59,12 @@ class ActivationOffloader:
         self._last: _Group | None = None
         # storage pointer -> (the tensor, weakly; its entry, or None where it stays on the device)
         self._seen: dict[int, tuple[weakref.ref, _Entry | None]] = {}
+        self.offloaded_bytes = 0  # sent to the host by the last forward (the metrics' host_offload_gib)
 
     # -- hooks ----------------------------------------------------------------------------
     def start_forward(self, module, args) -> None:
         """Root pre-hook: a new forward starts a new chain of blocks."""
-        self._last, self._seen = None, {}
+        self._last, self._seen, self.offloaded_bytes = None, {}, 0
 
     def enter_block(self, module, args) -> None:
         group = _Group(self._last)
@@ -94,6 +95,7 @@ class ActivationOffloader:
             return t
         # (a dead reference means the storage was freed and its address reused)
         entry = _Entry(group, self._to_host(t), t.device)
+        self.offloaded_bytes += t.numel() * t.element_size()
         group.entries.append(entry)
         self._seen[key] = (weakref.ref(t), entry)
         return entry
@@ -157,4 +159,5 @@ def apply_activation_offload(model: nn.Module, min_bytes: int = 1 << 20) -> Acti
     for block in model.layers.children():
         block.register_forward_pre_hook(offloader.enter_block)
         block.register_forward_hook(offloader.exit_block, always_call=True)
+    model.activation_offloader = offloader  # read by metrics/system.py
     return offloader

@@ -36,12 +36,13 @@ def global_token_count(labels: list[torch.Tensor], loss_mesh: DeviceMesh, ignore
     return dist_sum(torch.as_tensor(local, dtype=torch.float64), loss_mesh)
 
 
-def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
     """Load unsharded weights (the same on every rank) into a parallelized model.
 
     Names are those of the plain model; wrappers from AC and compile are looked through.
+    ``strict=False`` leaves parameters the dict lacks as they are (LoRA adapters).
     """
-    set_model_state_dict(model, full_state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
+    set_model_state_dict(model, full_state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 @torch.no_grad()

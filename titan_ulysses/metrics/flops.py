@@ -10,18 +10,20 @@ from titan_ulysses.models.llama.args import LlamaArgs
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
-def flops_per_token(args: LlamaArgs, seq_len: int) -> float:
+def flops_per_token(args: LlamaArgs, seq_len: int, lora_params: int = 0) -> float:
     """Training FLOPs (forward + backward = 3x forward) of one token at sequence length ``seq_len``.
 
     Matmuls: 6 per parameter touched (embedding lookups excluded, the output layer included).
     Attention scores and values: 2 matmuls of ``seq_len x head_dim`` per head and layer,
     forward 4 * S * Dh * H FLOPs per token; causal masking halves it.
+    With ``lora_params`` adapter parameters (LoRA) the frozen base computes no weight gradients:
+    4 per base parameter (forward and input gradient), 6 per adapter parameter.
     """
     dense_params = args.num_params() - args.vocab_size * args.dim  # drop the embedding lookup
     if args.tie_embeddings:
         dense_params += args.vocab_size * args.dim  # the tied output projection still runs
     attention = 3 * 4 * args.n_layers * args.n_heads * args.head_dim * seq_len / 2
-    return 6 * dense_params + attention
+    return (4 if lora_params else 6) * dense_params + 6 * lora_params + attention
 
 
 def peak_flops(device: torch.device) -> float | None:

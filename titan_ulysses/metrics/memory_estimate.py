@@ -129,6 +129,10 @@ class Switches:
     microbatches: int = 1
     """Microbatches per optimizer step (gradient accumulation): from the second on, the sharded
     gradients of the earlier ones exist through the whole forward and backward."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank on every projection of every block (0: full fine-tuning). The
+    frozen base is stored sharded in the compute dtype and has no gradient or optimizer state;
+    only the adapters (fp32) have both (``distributed/lora.py``)."""
 
 
 @dataclass
@@ -255,11 +259,16 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     other = args.vocab_size * d * (1 if args.tie_embeddings else 2) + d
     shard = (args.n_layers * block + other) / n
     states = {"parameters": 4 * shard, "gradients": 4 * shard, "optimizer": 8 * shard}
+    trained = block  # parameters of a block that have gradients
+    if s.lora_rank:  # the frozen base in the compute dtype; the adapters alone train: rank x (in + out) each
+        trained = s.lora_rank * (2 * (d + q) + 2 * (d + kv) + 3 * (d + f))
+        lora_shard = args.n_layers * trained / n
+        states = {"parameters": a * shard + 4 * lora_shard, "gradients": 4 * lora_shard, "optimizer": 8 * lora_shard}
     host = 0.0
     if s.cpu_offload:
         host = sum(states.values())
         states = dict.fromkeys(states, 0.0)
-    block_grad = states["gradients"] and 4 * block / n  # one block's sharded fp32 gradient (0 when offloaded)
+    block_grad = states["gradients"] and 4 * trained / n  # one block's sharded fp32 gradient (0 when offloaded)
     per_layer = layer_bytes_per_token(args, layout, s, s.ac_mode)
     head = tokens * (8 + (a * d + 4) + a * d)  # token ids, the final norm's input and scale, its output
     saved = args.n_layers * per_layer * tokens + head
@@ -278,7 +287,13 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
         mlp_ws = 6 * a * f * min(s.mlp_tile_size, tokens) + 2 * a * 3 * d * f
     else:
         mlp_ws = 2 * a * f * tokens
+    if s.lora_rank:  # the adapters' gradient of the MLP input beside the base projections' (measured)
+        mlp_ws += a * d * tokens
     loss_fwd, loss_bwd, loss_weight_grad = _loss_transients(args, s, tokens)
+    # the output weight's gradient in the compute dtype (none for a frozen one: LoRA)
+    out_grad = 0.0 if s.lora_rank else a * args.vocab_size * d
+    if s.lora_rank and s.loss_chunk_size:
+        loss_weight_grad -= 4 * args.vocab_size * d
     # the final RMSNorm (ops/norm.py) computes in fp32, CHUNK_TOKENS tokens at a time in eager
     # mode: forward a chunk's upcast input, normalised input and its product with the weight;
     # backward five [chunk, D] fp32 tensors
@@ -287,26 +302,30 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     norm_fwd, norm_bwd = 8 * d * rows + upcast, 16 * d * rows + upcast
 
     root, one_block = a * other, a * block
-    rs_block = 4 * block
+    rs_block = 4 * trained
     # the root's reduce-scatter (FSDP's foreach_reduce): its gradients copied into the fp32 input,
     # then the input beside the output (a world of one: beside a full-size output and the quotient
     # by the divide factor, which FSDP computes out of place) and beside the last root gradient,
     # which FSDP still holds then (the output weight's, [vocab, D]): 1 GiB for Llama-3-8B in bf16,
     # which the tracker found missing at 1, 2 and 3 ranks
-    root_grads = max((a + 4) * other, 4 * other * (1 + 1 / n + (1 if n == 1 else 0)) + a * args.vocab_size * d)
+    root_grads = max((a + 4) * other, 4 * other * (1 + 1 / n + (1 if n == 1 else 0)) + out_grad)
     # the embeddings' backward, before it: the root still unsharded, the output weight's gradient,
     # the embeddings' own (tied: and their sum), the gradient of the embeddings' output and
     # block 0's reduce-scatter input
     embedding = root + a * args.vocab_size * d * (3 if args.tie_embeddings else 2) + a * tokens * d + rs_block
+    if s.lora_rank:  # nothing of the root trains: no embeddings' backward, no root reduce-scatter
+        embedding, root_grads = 0.0, 0.0
     rest = states["parameters"] + states["optimizer"]
     earlier = states["gradients"] if s.microbatches > 1 else 0.0  # gradients of earlier microbatches
     working = root + 3 * one_block  # root, this block, its gradients, the next block's all-gather
+    if s.lora_rank:
+        working = root + 2 * one_block + a * trained
 
     def layer_backward(i: int) -> float:  # block i of n_layers, counted from the input
         done = earlier or (args.n_layers - 1 - i) * block_grad
         held = rs_block if i < args.n_layers - 1 else 0.0  # the reduce-scatter input of block i + 1
         prefetch = one_block if i > 0 else 0.0  # block i - 1's all-gather
-        return (rest + done + working - one_block + prefetch + a * args.vocab_size * d + held
+        return (rest + done + working - one_block + prefetch + out_grad + held
                 + (i + 1) * per_layer * tokens + recompute + layer_ws)
 
     # a layer's ffn_norm backward (after the MLP's backward freed its intermediates): the norm's fp32
@@ -317,11 +336,13 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     phases = {
         "loss forward": rest + earlier + root + one_block + saved + max(loss_fwd, norm_fwd),
         "loss backward": rest + earlier + root + one_block + saved
-        + max(loss_weight_grad + loss_bwd, a * args.vocab_size * d + a * tokens * d + norm_bwd),
+        + max(loss_weight_grad + loss_bwd, out_grad + a * tokens * d + norm_bwd),
         "layer backward": max(layer_backward(i) for i in {last, max(last - 1, 0), min(1, last), 0}),
         "embedding backward": rest + (earlier or args.n_layers * block_grad) + max(embedding, root_grads),
         "optimizer step": rest + states["gradients"],
     }
+    if s.lora_rank:  # backward ends with block 0's: the frozen embeddings' input needs no gradient
+        del phases["embedding backward"]
     return Estimate(
         unsharded_working_params=float(working), saved_activations=saved, layer_recompute=recompute,
         attention_working_set=attention_ws, mlp_working_set=float(mlp_ws), logits=float(max(loss_fwd, loss_bwd)),

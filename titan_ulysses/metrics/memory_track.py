@@ -117,7 +117,7 @@ def _phase_hooks(model, poller: _PhasePeaks) -> list:
         def hook(module, inputs, output):
             if poller.phase == "forward" and output.requires_grad:  # not the AC recompute in backward
                 output.register_hook(on_grad(f"layer {i} backward"))
-                if i == 0:
+                if i == 0 and inputs[0].requires_grad:  # a frozen embedding (LoRA) has no backward
                     inputs[0].register_hook(on_grad("embedding backward"))
         return hook
 
@@ -175,6 +175,7 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
     from torch.distributed.fsdp import FSDPModule
 
     from titan_ulysses.data.sharding import shard_batch
+    from titan_ulysses.distributed.lora import LoRAOptions
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.distributed.utils import clip_grad_norm_
     from titan_ulysses.models.llama.model import Transformer
@@ -191,7 +192,8 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
         pd.build_mesh("cpu")
         with torch.device("meta"):
             model = Transformer(args)
-        parallelize_llama(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, param_dtype=dtype))
+        lora = LoRAOptions(rank=switches.lora_rank) if switches.lora_rank else None
+        parallelize_llama(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, param_dtype=dtype, lora=lora))
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             model.init_buffers(torch.device("cpu"))

@@ -47,7 +47,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         hidden, weight, labels = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=upcast(weight).dtype, device=weight.device)
+        # a frozen output weight (LoRA) needs no [V, D] fp32 gradient
+        need_weight = ctx.needs_input_grad[1]
+        grad_weight = torch.zeros(weight.shape, dtype=upcast(weight).dtype, device=weight.device) if need_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             h = hidden[start : start + ctx.chunk_size]
             lab = labels[start : start + ctx.chunk_size]
@@ -59,9 +61,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits.scatter_add_(1, (lab * valid)[:, None], -valid[:, None].to(grad_logits.dtype))
             grad_logits *= valid[:, None] * grad_total
             grad_hidden[start : start + ctx.chunk_size] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            grad_weight.addmm_(grad_logits.t(), upcast(h))  # in place: no second [V, D] fp32 buffer
+            if need_weight:
+                grad_weight.addmm_(grad_logits.t(), upcast(h))  # in place: no second [V, D] fp32 buffer
             del grad_logits  # else it lives on while the next chunk's softmax is computed: 4 x chunk x V bytes
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype) if need_weight else None, None, None, None
 
 
 def linear_cross_entropy_sum(

@@ -1,4 +1,4 @@
-"""Lay a Llama model out on the DeviceMesh: float8 -> TP -> CP -> Ulysses -> AC -> compile -> offload -> FSDP2."""
+"""Lay a Llama model out on the DeviceMesh: float8 -> TP -> CP -> Ulysses -> LoRA -> AC -> compile -> offload -> FSDP2."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from titan_ulysses.distributed.compile import apply_compile
 from titan_ulysses.distributed.context_parallel import apply_cp
 from titan_ulysses.distributed.float8 import Float8Options, apply_float8
 from titan_ulysses.distributed.fsdp import apply_fsdp
+from titan_ulysses.distributed.lora import LoRAOptions, apply_lora
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.tensor_parallel import apply_tp
 from titan_ulysses.distributed.ulysses import apply_ulysses, check_heads
@@ -32,6 +33,8 @@ class ParallelizeOptions:
     """FSDP2 CPU offload of sharded parameters, gradients and optimizer state."""
     float8: Float8Options | None = None
     """float8 linear layers through torchao (None: off)."""
+    lora: LoRAOptions | None = None
+    """LoRA adapters on a frozen base (None: full fine-tuning)."""
 
 
 def parallelize_llama(
@@ -52,6 +55,10 @@ def parallelize_llama(
         apply_cp(model, parallel_dims.get_mesh("cp"))
     if parallel_dims.sp_enabled:
         apply_ulysses(model, parallel_dims.get_mesh("sp"))
+    if options.lora is not None:  # frozen base in the compute dtype; AC, compile and FSDP see the adapters
+        if parallel_dims.tp_enabled:
+            raise ValueError("lora with tensor parallelism is not supported (config/manager.py says why)")
+        apply_lora(model, options.lora, options.param_dtype)
     apply_ac(model, options.ac_mode)
     if options.compile:
         apply_compile(model)
