@@ -7,6 +7,12 @@
 (the figure of the README's main job; ``docs/figures/needle_debug_model`` is ``debug_model.toml``'s
 ``step-100`` with ``--lengths 128,256,512,1024 --depths 0,0.25,0.5,0.75,1``.)
 
+What the checkpoint records wins over the config: the model arguments of its
+``model_args.json`` (shapes, RoPE theta and scaling; its ``hf_assets/`` when the config names
+no Hugging Face folder) and the data settings it was trained with (``trained_seq_len``, the
+pass key's digits, the tokenizer). ``--model.rope_theta`` / ``--model.rope_scaling_factor`` /
+``--training.passkey_digits`` on the command line still override them, with a note.
+
 The model is laid out exactly as the training config says (Ulysses degree, FSDP), so
 evaluation at a length needs what training at that length needs; further ``--section.key
 value`` arguments override the config (e.g. ``--parallelism.ulysses_degree 1`` to run as
@@ -20,6 +26,7 @@ a digit are reported too (chance: 0.1 and ln 10 = 2.30). Writes ``<output>.json`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -28,6 +35,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from titan_ulysses.checkpoint.hf_export import ASSETS, read_data_settings, read_model_record
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.datasets import make_passkey_tokens, random_passkey
@@ -64,6 +72,56 @@ def parse_args(argv):
         raise SystemExit(f"--checkpoint {a.checkpoint!r} is not a complete checkpoint (no .metadata): "
                          f"point it at a step-N folder of checkpoint.folder")
     return a, overrides
+
+
+def _given(overrides: list[str], key: str) -> bool:
+    return any(o == f"--{key}" or o.startswith(f"--{key}=") for o in overrides)
+
+
+def apply_record(config, checkpoint: str, overrides: list[str]) -> tuple[dict | None, list[str]]:
+    """Set the config's model source, tokenizer and pass key digits from what the checkpoint records.
+
+    Returns (the checkpoint's data settings or None, notes for the user).
+    """
+    notes = []
+    record = read_model_record(checkpoint)
+    assets = os.path.join(checkpoint, ASSETS)
+    if record is None:
+        notes.append(f"{checkpoint} has no model_args.json (written before it existed): the model comes from "
+                     f"the config")
+    elif record[1] is not None and not config.model.hf_assets_path and os.path.isdir(assets):
+        config.model.hf_assets_path = assets  # the architecture (and tokenizer files) of a run from a HF folder
+    settings = read_data_settings(checkpoint)
+    if settings is None:
+        notes.append(f"{checkpoint} records no data settings: trained_seq_len is unknown")
+        return None, notes
+    if settings.get("tokenizer") not in (None, config.model.tokenizer):
+        raise SystemExit(f"the checkpoint was trained with model.tokenizer {settings['tokenizer']!r} but the config "
+                         f"says {config.model.tokenizer!r}: pass --model.tokenizer {settings['tokenizer']} "
+                         f"(and its path)")
+    if "passkey_digits" in settings and not _given(overrides, "training.passkey_digits"):
+        config.training.passkey_digits = settings["passkey_digits"]
+    return settings, notes
+
+
+def recorded_args(checkpoint: str, args, overrides: list[str], notes: list[str]):
+    """The checkpoint's model arguments (with this run's runtime switches from ``args``, the config's)."""
+    record = read_model_record(checkpoint)
+    if record is None:
+        return args
+    saved = record[0]
+    runtime = {f: getattr(args, f) for f in ("attn_backend", "sdpa_backends", "mlp_tile_size", "loss_chunk_size")
+               if hasattr(args, f)}
+    if _given(overrides, "model.rope_theta"):
+        runtime["rope_theta"] = args.rope_theta
+    if _given(overrides, "model.rope_scaling_factor"):
+        runtime["rope_scaling"] = args.rope_scaling
+    chosen = dataclasses.replace(saved, **runtime)
+    for field in ("rope_theta", "rope_scaling"):
+        if getattr(chosen, field) != getattr(args, field) or field in runtime:
+            src = "the command line" if field in runtime else "the checkpoint's model_args.json"
+            notes.append(f"{field} {getattr(chosen, field)} from {src} (the config says {getattr(args, field)})")
+    return chosen
 
 
 def passkey(length: int, depth: float, i: int, digits: int) -> int:
@@ -144,6 +202,7 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config = load_config(["--config", a.config, *overrides])
+        settings, notes = apply_record(config, a.checkpoint, overrides)
         pd = validate(config, world)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from e
@@ -159,7 +218,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--lengths: {length} is too short for a passkey prompt ({e})") from e
     device = init_distributed()
     pd.build_mesh(device.type)
-    args = model_args(config, tokenizer.vocab_size)
+    args = recorded_args(a.checkpoint, model_args(config, tokenizer.vocab_size), overrides, notes)
     with torch.device("meta"):
         model = build_model(args, ComputeOptions.from_config(config.model))
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -173,12 +232,16 @@ def main(argv=None) -> int:
             for depth in a.depths]
     result = {
         "checkpoint": a.checkpoint, "config": a.config, "overrides": overrides, "layout": pd.degrees,
-        "trained_seq_len": config.training.seq_len, "digits": digits, "lengths": a.lengths, "depths": a.depths, "samples": a.samples,
+        "trained_seq_len": settings["seq_len"] if settings else None, "digits": digits,
+        "rope_theta": args.rope_theta, "rope_scaling_factor": args.rope_scaling.factor if args.rope_scaling else None,
+        "lengths": a.lengths, "depths": a.depths, "samples": a.samples,
         "accuracy": [[cell[0] for cell in row] for row in grid],
         "digit_accuracy": [[cell[1] for cell in row] for row in grid],
         "digit_nll": [[cell[2] for cell in row] for row in grid],
     }
     if dist.get_rank() == 0:
+        for note in notes:
+            print(f"note: {note}", flush=True)
         os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
         with open(a.output + ".json", "w") as f:
             json.dump(result, f, indent=1)

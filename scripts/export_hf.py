@@ -1,7 +1,11 @@
 """Export a titan-ulysses checkpoint to a Hugging Face model folder (Llama, Qwen2, Qwen3).
 
     python scripts/export_hf.py --checkpoint outputs/needle_demo/checkpoint/step-400 \\
-        --output outputs/needle_demo/hf [--dtype bfloat16] [--max-shard-size 5GB]
+        --output outputs/needle_demo/hf [--dtype float32] [--max-shard-size 5GB]
+
+The weights are written in the dtype they came in: a run started from a Hugging Face folder
+exports that folder's config.json dtype, a run from scratch the dtype of its saved parameters
+(float32); --dtype overrides (e.g. bfloat16 for a smaller folder).
 
 Every checkpoint records the model arguments it was trained with (``model_args.json``)
 and, for runs started from a Hugging Face folder, that folder's config.json and tokenizer
@@ -24,7 +28,7 @@ import sys
 
 import torch
 
-from titan_ulysses.checkpoint.hf_export import export_hf
+from titan_ulysses.checkpoint.hf_export import export_hf, source_dtype
 from titan_ulysses.checkpoint.lora_export import export_peft_adapter
 from titan_ulysses.models.llama.args import RopeScaling, get_flavor
 
@@ -43,7 +47,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="a step-N checkpoint folder")
     parser.add_argument("--output", required=True, help="the Hugging Face folder to write")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                        help="the weights' dtype (default: the dtype they came in: the source config.json's, "
+                             "else the saved parameters')")
     parser.add_argument("--max-shard-size", type=parse_size, default="5GB",
                         help="largest safetensors file; above it the weights are sharded with an index (default 5GB)")
     parser.add_argument("--flavor", default="", help="model.flavor, only for checkpoints without model_args.json")
@@ -71,12 +77,13 @@ def main(argv=None) -> int:
             written = export_peft_adapter(a.checkpoint, a.output, a.base_model)
             print(f"wrote {a.output}: {', '.join(written)}")
             return 0
-        written = export_hf(a.checkpoint, args, a.output, getattr(torch, a.dtype), a.max_position_embeddings,
-                            a.max_shard_size)
+        dtype = getattr(torch, a.dtype) if a.dtype else source_dtype(a.checkpoint)
+        written = export_hf(a.checkpoint, args, a.output, dtype, a.max_position_embeddings, a.max_shard_size)
     except (OSError, ValueError) as e:
         print(f"export_hf: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {a.output}: {', '.join(written)}")
+    how = "--dtype" if a.dtype else "the dtype the weights came in"
+    print(f"wrote {a.output} ({str(dtype).removeprefix('torch.')}, {how}): {', '.join(written)}")
     return 0
 
 

@@ -4,9 +4,13 @@
   a truncated or changed shard, no ``.metadata``) is found, set aside with a warning naming
   the file, and resume falls back to the previous one; the next save of that step works;
 * a fault between writing and renaming leaves the previous checkpoint the newest good one;
-* weights holding NaN are never saved, and pruning keeps the last good checkpoint.
+* weights holding NaN, or an optimizer state holding inf, are never saved, and pruning keeps
+  the last good checkpoint;
+* a save failing with PyTorch's zip writer's "unexpected pos" (a full disk, no ENOSPC) is
+  explained with the space needed and free, and the last good checkpoint stays loadable.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -154,6 +158,45 @@ def _worker_atomic_and_nonfinite(folder):
     dist.barrier()
     assert sorted(os.listdir(folder)) == ["step-1"]
     assert mgr.load() == 1
+    assert_equal(snapshot(model), good, "param")
+
+    # finite weights, an inf in one rank's optimizer state (exp_avg_sq): refused too
+    if dist.get_rank() == 1:
+        state = next(s for s in opt.state.values() if "exp_avg_sq" in s)
+        state["exp_avg_sq"].to_local().view(-1)[0] = float("inf")
+    loader.n = 4
+    with pytest.raises(NonFiniteStateError, match=r"step 4: 1 tensor\(s\) .*\(rank 1: optimizer exp_avg_sq of .*\); "
+                                                   r"nothing was saved and the newest checkpoint, .*step-1, is kept"):
+        mgr.save(4)
+    dist.barrier()
+    assert sorted(os.listdir(folder)) == ["step-1"]
+    assert mgr.load() == 1
+
+    # a save that fails without ENOSPC (PyTorch's zip writer on a full disk): explained, step-1 untouched
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    real_stream = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def short_write(self, path, mode):
+        with real_stream(self, path, mode) as f:
+            if "step-5.tmp" in str(path) and "w" in mode:
+                f.write(b"half a shard")
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            yield f
+
+    FileSystem.create_stream = short_write
+    try:
+        loader.n = 5
+        with pytest.raises(OSError, match=r"saving .*step-5.tmp failed: a checkpoint of this run needs about "
+                                          r"\d+\.\d\d GiB and \d+\.\d\d GiB are free on that filesystem; the "
+                                          r"newest good checkpoint, .*step-1, is kept\. .*\(RuntimeError: \[enforce "
+                                          r"fail at inline_container.cc:672\] \. unexpected pos 704 vs 598\)$"):
+            mgr.save(5)
+    finally:
+        FileSystem.create_stream = real_stream
+    scramble(model)
+    assert mgr.load() == 1 and mgr.verify(os.path.join(folder, "step-1")) is None
     assert_equal(snapshot(model), good, "param")
 
 

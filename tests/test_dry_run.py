@@ -106,7 +106,7 @@ def test_the_plan_names_the_model_data_memory_and_saves(stand_ins, train_main, t
     for phase in ("loss forward", "loss backward", "layer backward", "embedding backward", "optimizer step"):
         assert phase in lines["memory per device (estimate)"]
     assert lines["checkpoints"].startswith(f"{dump}/checkpoint/step-N every 100 steps and at step 1000")
-    assert lines["weights at the first step"] == f"the safetensors of model.hf_assets_path {stand_ins['hf']}"
+    assert lines["weights at the first step"] == f"the Hugging Face folder {stand_ins['hf']} (its safetensors)"
 
 
 def test_packed_documents_on_sdpa_at_128k_are_refused(stand_ins, train_main, tmp_path):

@@ -1,7 +1,9 @@
-"""eval_needle on a checkpoint written by the trainer: the same numbers at sp=2 as in one process."""
+"""eval_needle on a checkpoint written by the trainer: the same numbers at sp=2 as in one process, with the
+model arguments and data settings the checkpoint records (not the config's defaults)."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -14,7 +16,12 @@ CONFIG = os.path.join(ROOT, "train_configs", "debug_model.toml")
 def _run(args, nproc=None):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] \
         if nproc else [sys.executable]
-    proc = subprocess.run([*launcher, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ)
+    if not nproc:  # one process: a free port, not the default 29500 another job on the machine may hold
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1")
+    proc = subprocess.run([*launcher, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
@@ -26,8 +33,10 @@ def checkpoint(tmp_path_factory):
     from helpers import train_worker
 
     dump = tmp_path_factory.mktemp("run")
+    # trained at 128 tokens with RoPE theta 50000, where the config says 512 and 10000
     run_distributed(train_worker, 2, ["--config", CONFIG, "--training.steps", "2", "--training.seq_len", "128",
-                                "--checkpoint.interval", "2", "--job.dump_folder", str(dump)])
+                                      "--model.rope_theta", "50000", "--checkpoint.interval", "2",
+                                      "--job.dump_folder", str(dump)])
     return os.path.join(dump, "checkpoint", "step-2")
 
 
@@ -35,10 +44,14 @@ def checkpoint(tmp_path_factory):
 def test_ulysses_evaluation_equals_one_process(checkpoint, tmp_path):
     grid = ["--lengths", "112,160", "--depths", "0,1", "--samples", "3", "--training.passkey_digits", "2"]
     script = os.path.join("scripts", "eval_needle.py")
-    _run([script, "--config", CONFIG, "--checkpoint", checkpoint, *grid, "--output", str(tmp_path / "sp2")], nproc=2)
+    proc = _run([script, "--config", CONFIG, "--checkpoint", checkpoint, *grid, "--output", str(tmp_path / "sp2")],
+                nproc=2)
+    assert "note: rope_theta 50000.0 from the checkpoint's model_args.json (the config says 10000.0)" in proc.stdout
+    # the same model given on the command line: equal numbers show that the record was used
     _run([script, "--config", CONFIG, "--checkpoint", checkpoint, *grid, "--output", str(tmp_path / "one"),
-          "--parallelism.ulysses_degree", "1"])
+          "--parallelism.ulysses_degree", "1", "--model.rope_theta", "50000"])
     sp2, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("sp2", "one"))
+    assert sp2["trained_seq_len"] == 128 and sp2["rope_theta"] == 50000.0
     assert sp2["layout"]["sp"] == 2 and one["layout"]["sp"] == 1
     assert sp2["lengths"] == [112, 160] and sp2["depths"] == [0.0, 1.0] and sp2["digits"] == 2
     assert sp2["accuracy"] == one["accuracy"] and sp2["digit_accuracy"] == one["digit_accuracy"]

@@ -52,7 +52,7 @@ def test_exported_model_matches_in_transformers(tmp_path, variant):
     overrides = VARIANTS[variant]
     run_distributed(_save_sharded, 2, str(tmp_path), overrides)
     args = small_args(**overrides)
-    export_hf(str(tmp_path / "step-1"), args, str(tmp_path / "hf"), dtype=torch.float32)
+    export_hf(str(tmp_path / "step-1"), args, str(tmp_path / "hf"))  # float32: the dtype saved
 
     ours = Transformer(args)
     ours.load_state_dict(torch.load(tmp_path / "reference.pt"))
@@ -121,20 +121,27 @@ def test_export_script(tmp_path, capsys):
     spec.loader.exec_module(script)
     run_distributed(_save_sharded, 2, str(tmp_path / "ckpt"), {}, "debugmodel")
 
-    def export(flavor, out):  # default --dtype bfloat16
+    def export(flavor, out, *more):
         code = script.main(["--checkpoint", str(tmp_path / "ckpt" / "step-1"), "--flavor", flavor,
-                            "--output", str(tmp_path / out)])
+                            "--output", str(tmp_path / out), *more])
         return code, capsys.readouterr().err
 
-    code, err = export("debugmodel", "hf")
+    from safetensors.torch import load_file
+
+    # a run from scratch exports the dtype of its saved parameters (float32) unless --dtype says otherwise
+    code, err = export("debugmodel", "hf_fp32")
+    assert code == 0, err
+    assert json.loads((tmp_path / "hf_fp32" / "config.json").read_text())["dtype"] == "float32"
+    reference = torch.load(tmp_path / "ckpt" / "reference.pt")
+    exported = load_file(str(tmp_path / "hf_fp32" / "model.safetensors"))
+    assert torch.equal(exported["model.embed_tokens.weight"], reference["tok_embeddings.weight"])
+    code, err = export("debugmodel", "hf", "--dtype", "bfloat16")
     assert code == 0, err
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_hidden_layers"] == 6 and config["num_key_value_heads"] == 4 and config["vocab_size"] == 264
     assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "bfloat16"
     assert config["hidden_size"] == 256 and config["intermediate_size"] == 768 and config["num_attention_heads"] == 16
     assert config["rope_theta"] == 10000.0 and "rope_scaling" not in config and config["tie_word_embeddings"] is False
-    from safetensors.torch import load_file
-
     tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert len(tensors) == 2 + 1 + 6 * 9 and tensors["lm_head.weight"].shape == (264, 256)
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())

@@ -71,7 +71,7 @@ def test_continue_training_export_round_trip(trained, tmp_path):
     assert hf_first_loss < 1.0  # trained: a random init is at ln(320) = 5.8
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
-           "--model.hf_assets_path", folder, "--model.tokenizer", "hf", "--checkpoint.initial_load_in_hf", "true",
+           "--model.hf_assets_path", folder, "--model.tokenizer", "hf",  # its weights by default
            "--job.dump_folder", str(run), "--parallelism.ulysses_degree", "2", "--training.dataset", "passkey",
            "--training.passkey_digits", "1", "--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH),
            "--training.steps", "2", "--training.seed", "42", "--training.mixed_precision_param", "float32",
@@ -79,7 +79,8 @@ def test_continue_training_export_round_trip(trained, tmp_path):
            "--metrics.log_freq", "1", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "LlamaForCausalLM 2 layers, dim 64" in proc.stdout and "weights from its safetensors" in proc.stdout
+    assert "LlamaForCausalLM 2 layers, dim 64" in proc.stdout and f"weights from the Hugging Face folder {folder}" in (
+        proc.stdout)
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert abs(losses[0] - hf_first_loss) <= 1e-5 * hf_first_loss, (losses, hf_first_loss)
 
@@ -87,7 +88,7 @@ def test_continue_training_export_round_trip(trained, tmp_path):
     proc = subprocess.run([*cmd[:-6], "--training.steps", "3", *cmd[-4:]], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "starting at step 2" in proc.stdout and "weights from its safetensors" not in proc.stdout
+    assert "weights from step-2 of this run" in proc.stdout and "starting at step 2" in proc.stdout
     assert "attention sdpa (PyTorch's kernel order)" in proc.stdout  # "auto" on a machine without a GPU
 
     step = run / "checkpoint" / "step-2"
@@ -96,9 +97,11 @@ def test_continue_training_export_round_trip(trained, tmp_path):
     recorded = json.loads((step / "model_args.json").read_text())["args"]
     assert not {"attn_backend", "sdpa_backends", "mlp_tile_size", "loss_chunk_size"} & set(recorded), sorted(recorded)
     out = tmp_path / "export"
-    proc = subprocess.run([sys.executable, "scripts/export_hf.py", "--checkpoint", str(step), "--output", str(out),
-                           "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    # no --dtype: the folder's float32 comes back (bfloat16 would move each weight by up to 4e-3)
+    proc = subprocess.run([sys.executable, "scripts/export_hf.py", "--checkpoint", str(step), "--output", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(float32, the dtype the weights came in)" in proc.stdout, proc.stdout
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     assert type(exported).__name__ == "LlamaForCausalLM"
     ours, theirs = exported.state_dict(), hf_model.state_dict()
@@ -161,7 +164,7 @@ def test_help_lists_sections_keys_defaults_and_docstrings(capsys):
     out = capsys.readouterr().out
     assert "[model]" in out and "[checkpoint]" in out and "--training.seq_len 2048" in out
     assert "--model.hf_assets_path ''" in out and "huggingface-cli download" in out
-    assert "--checkpoint.initial_load_in_hf False" in out and "(one of byte, tiktoken, hf)" in out
+    assert "--checkpoint.initial_load_in_hf None" in out and "(one of byte, tiktoken, hf)" in out
 
 
 @pytest.fixture

@@ -268,6 +268,24 @@ def test_a_config_error_under_torchrun_is_printed_once():
     assert proc.returncode == 1  # ... and torchrun itself exits 1, as the README says
 
 
+def test_a_checkpoint_folder_shared_by_two_dump_folders_is_locked(tmp_path):
+    from titan_ulysses.checkpoint.lock import RunLock
+
+    shared = tmp_path / "shared_checkpoints"  # an absolute checkpoint.folder: outside either dump folder
+    held = RunLock(str(shared), "checkpoint.folder")  # run A, alive, in another dump folder
+    held.acquire()
+    try:
+        with pytest.raises(Exception, match=rf"checkpoint.folder {shared} is in use by another run \(pid "
+                                            rf"{os.getpid()} .*; stop that run or choose another checkpoint.folder"):
+            run(["--training.steps", "2", "--checkpoint.folder", str(shared)], tmp_path / "b")
+    finally:
+        held.release()
+    assert os.listdir(shared) == [".run.lock"]  # run B resumed nothing and saved nothing there
+    run(["--training.steps", "2", "--checkpoint.folder", str(shared)], tmp_path / "b")  # free now
+    assert sorted(os.listdir(shared)) == [".run.lock", "step-2"]
+    assert not os.path.exists(tmp_path / "b" / "checkpoint")
+
+
 @pytest.mark.slow
 def test_lock_refusals_and_stale_locks_where_flock_is_missing(tmp_path, monkeypatch):
     from titan_ulysses.checkpoint import lock as lock_module
@@ -296,6 +314,10 @@ def test_lock_refusals_and_stale_locks_where_flock_is_missing(tmp_path, monkeypa
     path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "pid_start": "1", "since": "then"}))
     with pytest.raises(FolderInUseError, match="pid 1 on host elsewhere"):
         RunLock(str(tmp_path)).acquire()  # another host, heartbeat fresh
+    beat = time.time() - 60  # a heartbeat a minute old (two missed beats, a busy filesystem): still respected
+    os.utime(path, (beat, beat))
+    with pytest.raises(FolderInUseError, match="pid 1 on host elsewhere"):
+        RunLock(str(tmp_path)).acquire()
     old = time.time() - lock_module.STALE_AFTER_S - 10
     os.utime(path, (old, old))
     lock = RunLock(str(tmp_path))

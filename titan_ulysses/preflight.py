@@ -36,6 +36,12 @@ import os
 from titan_ulysses.checkpoint.hf import check_hf_weights
 from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
 from titan_ulysses.checkpoint.manager import complete_steps
+from titan_ulysses.checkpoint.weight_source import (
+    adopt_start_record,
+    damaged_checkpoints,
+    fresh_source,
+    hf_weights_wanted,
+)
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError, check_config, check_requirements, resolved_global_batch_size
 from titan_ulysses.data.datasets import PasskeyDataset
@@ -152,11 +158,12 @@ def check_files(config: JobConfig) -> None:
     # the file read whole (a broken tokenizer.json, no EOS, a garbage tiktoken file) and its ids
     # against the model's vocabulary, before any process group (issue 20)
     model_args(config, load_tokenizer(config).vocab_size)
-    if c.initial_load_in_hf:
+    if hf_weights_wanted(config):
         try:
             check_hf_weights(m.hf_assets_path, args)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"checkpoint.initial_load_in_hf: model.hf_assets_path {m.hf_assets_path!r}: {e}") from e
+            unset = "" if c.initial_load_in_hf else " (set checkpoint.initial_load_in_hf false to use its architecture only)"
+            raise ConfigError(f"checkpoint.initial_load_in_hf: model.hf_assets_path {m.hf_assets_path!r}: {e}{unset}") from e
     if c.initial_load_path:
         try:
             check_dcp_model_shapes(c.initial_load_path, args)
@@ -193,6 +200,7 @@ def load_tokenizer(config: JobConfig):
 
 def plan(config: JobConfig, world_size: int, device_gib: float | None = None) -> str:
     """Every pre-launch check for ``world_size`` ranks; the plan as text, or a ConfigError / DataError."""
+    record_note = adopt_start_record(config)  # as the trainer: the start checkpoint may give the architecture
     dims = validate(config, world_size)
     check_files(config)
     tokenizer = load_tokenizer(config)
@@ -208,7 +216,7 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
               for name, kind, path in _datasets(config)]
     lines += _memory(config, dims, device_gib)
     lines += _saves(config)
-    return "\n".join(lines)
+    return "\n".join(lines + ([f"note: {record_note}"] if record_note else []))
 
 
 def _layout(config: JobConfig, dims, args) -> list[str]:
@@ -304,13 +312,11 @@ def _saves(config: JobConfig) -> list[str]:
     if steps and steps[-1] >= t.steps:
         weights = f"none: {folder}/step-{steps[-1]} already reached training.steps {t.steps}; nothing to train"
     elif steps:
-        weights = f"resumes from {folder}/step-{steps[-1]}"
-    elif c.initial_load_in_hf:
-        weights = f"the safetensors of model.hf_assets_path {config.model.hf_assets_path}"
-    elif c.initial_load_path:
-        what = "model only" if c.initial_load_model_only else "full state"
-        weights = f"checkpoint.initial_load_path {c.initial_load_path} ({what})"
-    else:
-        weights = f"random init (seed {t.seed})"
+        weights = f"resumes from {folder}/step-{steps[-1]} (if it verifies; else the newest that does)"
+    elif c.enable and damaged_checkpoints(folder) and not c.allow_fresh_start:
+        weights = (f"none: every checkpoint in {folder} is damaged ({', '.join(damaged_checkpoints(folder))}); the "
+                   f"run will stop (checkpoint.allow_fresh_start true starts over from {fresh_source(config).describe()})")
+    else:  # checkpoint/weight_source.py decides the same way at launch
+        weights = fresh_source(config).describe()
     lines.append(f"weights at the first step: {weights}")
     return lines

@@ -13,12 +13,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from titan_ulysses.checkpoint.hf import load_hf_weights
 from titan_ulysses.checkpoint.folders import output_folder_problem
 from titan_ulysses.checkpoint.hf_export import write_model_record
 from titan_ulysses.checkpoint.lora_export import write_lora_record
 from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
-from titan_ulysses.checkpoint.manager import CheckpointManager, complete_steps
+from titan_ulysses.checkpoint.manager import CheckpointManager
+from titan_ulysses.checkpoint.weight_source import adopt_start_record, load_start_weights
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError, resolved_global_batch_size
 from titan_ulysses.config.resume import resume_settings, settings_changes
@@ -102,6 +102,7 @@ def init_weights(model: torch.nn.Module, args: LlamaArgs, device: torch.device, 
 class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
+        record_note = adopt_start_record(config)  # before validation: it may give the architecture
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         check_dataset_files(config)  # before the layout: a layout error must not hide a missing file
         self.parallel_dims: ParallelDims = validate(config, world_size)  # before any process group work
@@ -130,6 +131,7 @@ class Trainer:
         if not self.fake:
             set_timeouts(config.comm.init_timeout_seconds)  # the mesh's groups took gloo's 30-minute default
         self.lock = self._lock_dump_folder()
+        self.checkpoint_lock = self._lock_checkpoint_folder()
         t = config.training
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -162,14 +164,7 @@ class Trainer:
         self.model.to_empty(device=self.device)
         c = config.checkpoint
         ckpt_folder = os.path.join(config.job.dump_folder, c.folder)
-        # a run started from Hugging Face weights that has no checkpoint of its own yet
-        hf_start = c.initial_load_in_hf and not (c.enable and complete_steps(ckpt_folder))
-        if hf_start:
-            self.model.init_buffers(self.device)  # every weight comes from the folder below
-        else:
-            init_weights(self.model, self.args, self.device, t.seed, lora=options.lora is not None)
-        if options.lora is not None:  # adapters start as peft's (B = 0); a checkpoint below replaces them
-            init_lora(self.model, t.seed)
+        self.model.init_buffers(self.device)  # the weights come from load_start_weights below
         self.trainable_params, self.total_params = parameter_counts(self.model)
 
         o = config.optimizer
@@ -188,14 +183,15 @@ class Trainer:
             extras=lambda d: (write_model_record(d, self.args, config.model.hf_assets_path, t.seq_len),
                               write_lora_record(d, options.lora, config.model.hf_assets_path or config.model.flavor)),
         )
-        self.step = self.checkpointer.load() if c.enable else 0
-        if hf_start:
-            load_hf_weights(self.model, config.model.hf_assets_path)
-        if self.step == 0 and c.initial_load_path:
-            if c.initial_load_model_only:
-                self.checkpointer.load_model_only(c.initial_load_path)
-            else:
-                self.step = self.checkpointer.load_from(c.initial_load_path)
+        # one decision: this run's newest good checkpoint, initial_load_path, the HF folder, random init
+        lora = options.lora is not None
+        self.weights = load_start_weights(
+            config, self.checkpointer, self.model,
+            lambda: init_weights(self.model, self.args, self.device, t.seed, lora=lora),
+            # adapters start as peft's (B = 0); a checkpoint replaces them
+            init_adapters=(lambda: init_lora(self.model, t.seed)) if lora else None,
+        )
+        self.step = self.weights.step
         resumed = ""
         if self.step > 0:  # the config wins over the restored optimizer and schedule
             apply_hyperparameters(self.optimizer, self.lr_scheduler, o.lr, o.weight_decay, o.eps, (o.beta1, o.beta2))
@@ -221,8 +217,8 @@ class Trainer:
         if self.rank == 0:
             source = f"flavor {config.model.flavor}"
             if config.model.hf_assets_path:
-                source = f"{describe(self.args)} (from {config.model.hf_assets_path}/config.json" + (
-                    "; weights from its safetensors)" if hf_start else ")")
+                source = f"{describe(self.args)} (from {config.model.hf_assets_path}/config.json)"
+            source += f", weights from {self.weights.describe()}"
             attention = self.compute.attn_backend
             if attention == "sdpa":  # which kernel runs first (model.sdpa_backends)
                 order = sdpa_priority(self.compute.sdpa_backends)
@@ -238,15 +234,30 @@ class Trainer:
                 + resumed
                 + (f"\nFAKE process group: rank 0 of {dist.get_world_size()}; memory and compute are real, "
                    f"losses are not" if self.fake else "")
-                + "".join(f"\nnote: {n}" for n in [uneven_note(self.args.n_heads, self.args.n_kv_heads, pd.sp, pd.tp)] if n),
+                + "".join(f"\nnote: {n}" for n in [uneven_note(self.args.n_heads, self.args.n_kv_heads, pd.sp, pd.tp),
+                                                     record_note] if n),
                 flush=True,
             )
+            if self.step >= t.steps:
+                print(f"all {t.steps} steps of training.steps are done ({self.weights.describe()}); nothing to "
+                      f"train: raise training.steps to go on", flush=True)
 
-    def _lock_dump_folder(self) -> RunLock | None:
+    def _lock_checkpoint_folder(self) -> RunLock | None:
+        """A checkpoint.folder outside the dump folder (an absolute path) gets a lock of its own:
+        two dump folders naming the same one must not resume and save into it together."""
+        c, dump = self.config.checkpoint, self.config.job.dump_folder
+        folder = os.path.join(dump, c.folder)
+        real, dump_real = os.path.realpath(folder), os.path.realpath(dump)
+        inside = real == dump_real or real.startswith(dump_real + os.sep)  # the dump folder's lock covers it
+        if not c.enable or inside:
+            return None
+        return self._lock_dump_folder(folder, "checkpoint.folder")
+
+    def _lock_dump_folder(self, folder: str = "", setting: str = "job.dump_folder") -> RunLock | None:
         """Rank 0 takes the dump folder's lock for the life of the run; a refusal reaches every rank."""
         lock, error = None, None
         if self.rank == 0:
-            lock = RunLock(self.config.job.dump_folder)
+            lock = RunLock(folder or self.config.job.dump_folder, setting)
             try:
                 note = lock.acquire()
                 if note:
@@ -406,8 +417,9 @@ class Trainer:
         finally:
             self.checkpointer.close()
             self.metrics.close()
-            if self.lock is not None:
-                self.lock.release()
+            for lock in (self.checkpoint_lock, self.lock):
+                if lock is not None:
+                    lock.release()
 
     def _summary(self, progress: RunProgress) -> None:
         if self.rank != 0:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_ulysses.checkpoint.hf_adapter import hf_tensors, join, our_shapes, ours_to_theirs
 from titan_ulysses.checkpoint.lora_export import merge, pop_adapters, scaling_of
+from titan_ulysses.checkpoint.steps import missing_checkpoint
 from titan_ulysses.models.families.common import rope_config
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
 from titan_ulysses.models.registry import get_family
@@ -80,6 +81,18 @@ def read_model_record(step_dir: str) -> tuple[LlamaArgs, dict | None] | None:
         if fields.get(key) is not None:
             fields[key] = RopeScaling(**fields[key])
     return get_family(fields.get("family", "llama")).args_class(**fields), record.get("hf_config")
+
+
+def read_data_settings(checkpoint_dir: str) -> dict | None:
+    """The data settings a checkpoint was trained with (seq_len, dataset, tokenizer, ...), None when unrecorded."""
+    key = "dataloader.dataset_state.data_settings"
+    if key not in FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata:
+        return None
+    state = {"dataloader": {"dataset_state": {"data_settings": ""}}}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=checkpoint_dir, no_dist=True)
+    return json.loads(state["dataloader"]["dataset_state"]["data_settings"])
 
 
 # -- config.json -----------------------------------------------------------------------------
@@ -154,15 +167,38 @@ def check_checkpoint_shapes(found: dict[str, tuple], args: LlamaArgs, what: str)
                          f"missing {missing}, unexpected {extra}, other shapes {shape}")
 
 
+def _record_hint(checkpoint_dir: str) -> str:
+    """What the checkpoint's record says its model is, as the setting that gives it."""
+    from titan_ulysses.models.llama.args import LLAMA_FLAVORS
+
+    try:
+        record = read_model_record(checkpoint_dir)
+    except (OSError, ValueError, TypeError):
+        record = None
+    if record is None:
+        return "; set model.flavor or model.hf_assets_path to the model that wrote it"
+    args, hf = record
+    if hf is not None:
+        return (f"; it records a Hugging Face model ({get_family(args.family).architecture}, {args.n_layers} layers, dim "
+                f"{args.dim}): set model.hf_assets_path to that folder")
+    same = lambda a: dataclasses.replace(a, rope_theta=0.0, rope_scaling=None)  # noqa: E731 (shapes only)
+    flavor = next((name for name, f in LLAMA_FLAVORS.items() if same(f) == same(args)), None)
+    return (f"; it records model.flavor {flavor!r}: set --model.flavor {flavor}" if flavor else
+            f"; it records {args.n_layers} layers, dim {args.dim}: set model.flavor to that model's")
+
+
 def check_dcp_model_shapes(checkpoint_dir: str, args: LlamaArgs) -> None:
     """Refuse, from its .metadata alone, a checkpoint whose model does not have the shapes of ``args``."""
-    if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
-        raise FileNotFoundError(f"{checkpoint_dir!r} is not a complete checkpoint (no .metadata); point it at a "
-                                f"step-N folder")
+    reason = missing_checkpoint(checkpoint_dir)
+    if reason:
+        raise FileNotFoundError(reason)
     meta = _model_metadata(checkpoint_dir)
     pop_adapters(meta)  # a LoRA run's adapters: their base weights are what must fit
     found = {k: tuple(m.size) for k, m in meta.items()}
-    check_checkpoint_shapes(found, args, "of this run (model.flavor / model.hf_assets_path)")
+    try:
+        check_checkpoint_shapes(found, args, "of this run (model.flavor / model.hf_assets_path)")
+    except ValueError as e:
+        raise ValueError(f"{e}{_record_hint(checkpoint_dir)}") from None
 
 
 def read_model_weights(checkpoint_dir: str, names: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -176,6 +212,22 @@ def read_model_weights(checkpoint_dir: str, names: list[str] | None = None) -> d
     return model
 
 
+def source_dtype(checkpoint_dir: str) -> torch.dtype:
+    """The dtype an export writes by default: the one the weights came in.
+
+    A run started from a Hugging Face folder: that folder's config.json ``dtype`` /
+    ``torch_dtype`` (recorded in ``model_args.json``). A run from scratch (or a source that
+    names none): the dtype of the parameters as saved.
+    """
+    record = read_model_record(checkpoint_dir)
+    hf = (record[1] or {}) if record else {}
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    if isinstance(name, str) and isinstance(getattr(torch, name.removeprefix("torch."), None), torch.dtype):
+        return getattr(torch, name.removeprefix("torch."))
+    dtypes = {m.properties.dtype for m in _model_metadata(checkpoint_dir).values()}
+    return max(dtypes, key=lambda d: d.itemsize)  # mixed (none today): the widest
+
+
 def _plan_shards(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
     shards, current, total = [], [], 0
     for name, size in sizes.items():
@@ -187,13 +239,17 @@ def _plan_shards(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
     return shards + [current] if current else shards
 
 
-def export_hf(checkpoint_dir: str, args: LlamaArgs | None, output_dir: str, dtype: torch.dtype = torch.bfloat16,
+def export_hf(checkpoint_dir: str, args: LlamaArgs | None, output_dir: str, dtype: torch.dtype | None = None,
               max_position_embeddings: int = 131072, max_shard_size: int = 5 * 2**30) -> list[str]:
     """Write a Hugging Face folder for ``checkpoint_dir``; ``args`` None reads them from its record.
 
-    Returns the names of the files written.
+    ``dtype`` None writes the dtype the weights came in (``source_dtype``). Returns the names of
+    the files written.
     """
     from safetensors.torch import save_file
+
+    if dtype is None:
+        dtype = source_dtype(checkpoint_dir)
 
     record = read_model_record(checkpoint_dir)
     base = None

@@ -24,14 +24,16 @@ import socket
 import threading
 import time
 
+from titan_ulysses.checkpoint.errors import RunRefused
+
 LOCK_NAME = ".run.lock"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
-class FolderInUseError(RuntimeError):
-    """Another live run holds the dump folder."""
+class FolderInUseError(RunRefused):
+    """Another live run holds the dump folder (or the checkpoint folder)."""
 
 
 def _start_time(pid: int) -> str | None:
@@ -57,8 +59,9 @@ def describe(holder: dict | None) -> str:
 
 
 class RunLock:
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, setting: str = "job.dump_folder"):
         self.folder = folder
+        self.setting = setting  # what the refusal names
         self.path = os.path.join(folder, LOCK_NAME)
         self._fd = None
         self._stop = threading.Event()
@@ -72,8 +75,8 @@ class RunLock:
 
     def _refuse(self, holder: dict | None) -> FolderInUseError:
         return FolderInUseError(
-            f"job.dump_folder {self.folder} is in use by another run ({describe(holder)}; lock {self.path}); "
-            f"stop that run or choose another job.dump_folder"
+            f"{self.setting} {self.folder} is in use by another run ({describe(holder)}; lock {self.path}); "
+            f"stop that run or choose another {self.setting}"
         )
 
     def _stale(self, holder: dict | None) -> bool:

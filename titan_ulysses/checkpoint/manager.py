@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 import shutil
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -46,12 +46,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_ulysses.checkpoint import manifest
 from titan_ulysses.checkpoint.lora_export import AdapterMismatchError, check_adapters, model_only_planner
-from titan_ulysses.checkpoint.safety import explain_save_error, is_out_of_space, nonfinite_tensors, set_aside, state_bytes
+from titan_ulysses.checkpoint.safety import explain_save_error, nonfinite_tensors, set_aside, state_bytes
 from titan_ulysses.checkpoint.state import training_state
+from titan_ulysses.checkpoint.steps import STEP_DIR as _STEP_DIR
+from titan_ulysses.checkpoint.steps import complete_steps, missing_checkpoint  # noqa: F401 (public here)
 from titan_ulysses.data.sources import DataError
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 LOAD_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException is a BaseException
 
 
@@ -73,24 +74,10 @@ def _publish(tmp: str, final: str) -> None:
         os.close(fd)
 
 
-def complete_steps(folder: str) -> list[int]:
-    """Steps with a complete checkpoint in ``folder``, ascending (``.tmp`` leftovers never count)."""
-    if not os.path.isdir(folder):
-        return []
-    steps = []
-    for name in os.listdir(folder):
-        match = _STEP_DIR.match(name)
-        if match and os.path.isfile(os.path.join(folder, name, ".metadata")):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
 def _check(path: str) -> None:
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise FileNotFoundError(
-            f"{path!r} is not a complete checkpoint (no .metadata); point checkpoint.initial_load_path "
-            f"at a step-N folder"
-        )
+    reason = missing_checkpoint(path)
+    if reason:
+        raise FileNotFoundError(reason)
 
 
 class CheckpointManager:
@@ -112,6 +99,7 @@ class CheckpointManager:
         self.loaded_settings: dict | None = None  # those of the checkpoint loaded, when it has them
         self.rank = dist.get_rank()
         self._pending = None  # (future, step) of an async save in flight
+        self._started: dict[int, float] = {}  # step -> when its save began (for the commit line)
         self._last_saved = None
         self._pg = None
         self._stager = None
@@ -139,6 +127,10 @@ class CheckpointManager:
     def _dir(self, step: int) -> str:
         return os.path.join(self.folder, f"step-{step}")
 
+    def step_dir(self, step: int) -> str:
+        """The folder of this run's checkpoint of ``step``."""
+        return self._dir(step)
+
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step in this run's folder, None when there is none."""
         steps = complete_steps(self.folder)
@@ -159,6 +151,10 @@ class CheckpointManager:
 
     def _barrier(self) -> None:
         dist.barrier(group=self._pg)
+
+    def from_rank0(self, value):
+        """Rank 0's ``value`` on every rank (on the checkpoint group). Collective."""
+        return self._from_rank0(value)
 
     def _from_rank0(self, value):
         """Rank 0's ``value`` on every rank."""
@@ -181,6 +177,7 @@ class CheckpointManager:
             return
         self._finish_pending()
         self._refuse_nonfinite(step)
+        self._started[step] = time.perf_counter()
         final = self._dir(step)
         if os.path.isfile(os.path.join(final, ".metadata")):  # already complete (a rerun after a resume)
             self._last_saved = step
@@ -223,8 +220,8 @@ class CheckpointManager:
         )
 
     def _explain(self, error: BaseException, tmp: str) -> None:
-        """Re-raise a save's lack of space as an OSError naming the path and the space needed."""
-        if not is_out_of_space(error):
+        """Re-raise a failed save as an OSError naming the path, the space needed and the space free."""
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
             return
         newest = self._newest_good()
         files = manifest.read_manifest(newest) if newest else None
@@ -263,6 +260,10 @@ class CheckpointManager:
                 manifest.write_manifest(tmp, step, entries)
                 _publish(tmp, final)  # atomic: the checkpoint appears whole or not at all
                 self._prune(keep=step)
+                seconds = time.perf_counter() - self._started.pop(step, time.perf_counter())
+                size = sum(e["size"] for e in entries.values())
+                print(f"checkpoint: committed step {step} to {final} ({size / 2**20:.1f} MiB, {seconds:.1f} s)",
+                      flush=True)
             except OSError as e:
                 error = f"committing {tmp}: {e}"
         error = self._from_rank0(error)
@@ -328,7 +329,11 @@ class CheckpointManager:
         """
         self.wait()
         if step != -1:
-            return self.load_from(self._dir(step))
+            path = self._dir(step)
+            reason = missing_checkpoint(path, "the resume step")
+            if reason:
+                raise FileNotFoundError(reason)
+            return self.load_from(path)
         self._clean_up()
         touched = None  # a checkpoint whose failed load may have changed the state in memory
         for step in reversed(complete_steps(self.folder)):
@@ -353,7 +358,8 @@ class CheckpointManager:
             raise RuntimeError(
                 f"no checkpoint in {self.folder} could be loaded (the damaged ones were moved aside, see the "
                 f"warnings above); {touched} failed while loading, so the state in memory is not a clean start: "
-                f"rerun to start from step 0"
+                f"restore a good copy as a step-N folder, or rerun with --checkpoint.allow_fresh_start true to start "
+                f"over from the run's start weights"
             )
         return 0
 

@@ -5,8 +5,10 @@
   weights after the update).
 * ``set_aside``: a damaged or incomplete ``step-N`` folder is renamed to ``step-N.bad``
   (kept for inspection, never picked again, never in the way of a later save).
-* ``explain_save_error``: a save that failed for lack of space says where, how much was
-  needed and how much is free.
+* ``explain_save_error``: a save that failed says where, how much it needs and how much is
+  free. A full disk does not always raise ENOSPC: PyTorch's zip writer reports a short write
+  as ``RuntimeError: [enforce fail at inline_container.cc:...] . unexpected pos ...``; any
+  failure where the space needed exceeds the space there was is named as a full disk.
 """
 
 from __future__ import annotations
@@ -73,15 +75,34 @@ def state_bytes(model, optimizer) -> int:
     return total
 
 
+def _bytes_under(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def _first_line(exc: BaseException) -> str:
+    e = next((e for e in _exceptions(exc) if not getattr(e, "failures", None)), exc)  # the rank's own error
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
 def explain_save_error(exc: BaseException, path: str, needed: int, newest_good: str | None) -> OSError:
-    """An OSError saying that saving to ``path`` ran out of space, how much it needs and has."""
+    """An OSError saying that saving to ``path`` failed (ran out of space, when it did), how much it needs and has."""
     folder = os.path.dirname(path)
     free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+    held = _bytes_under(path) if os.path.isdir(path) else 0  # written by the failed save, freed at the next start
     kept = f"the newest good checkpoint, {newest_good}, is kept" if newest_good else "no checkpoint was saved before"
-    return OSError(
-        errno.ENOSPC,
-        f"no space left on device while saving {path}: a checkpoint of this run needs about "
-        f"{needed / 2**30:.2f} GiB and {free / 2**30:.2f} GiB are free on that filesystem; {kept}. "
-        f"Free space (or lower checkpoint.keep_latest_k) and rerun: the leftover {os.path.basename(path)} "
-        f"is removed at start-up",
-    )
+    space = (f"a checkpoint of this run needs about {needed / 2**30:.2f} GiB and {free / 2**30:.2f} GiB are free on "
+             f"that filesystem")
+    leftover = (f"the leftover {os.path.basename(path)} ({held / 2**30:.2f} GiB) is removed at start-up "
+                f"({_first_line(exc)})")
+    if is_out_of_space(exc) or needed > free + held:
+        return OSError(errno.ENOSPC, f"no space left on device while saving {path}: {space}; {kept}. "
+                                     f"Free space (or lower checkpoint.keep_latest_k) and rerun: {leftover}")
+    return OSError(errno.EIO, f"saving {path} failed: {space}; {kept}. Rerun to resume from it: {leftover}")

@@ -23,7 +23,8 @@ class Model:
     """A local Hugging Face model folder (config.json, *.safetensors, tokenizer.json), as
     `huggingface-cli download` leaves it. When set, the architecture (any family of models/registry.py
     and every shape) comes from its config.json and model.name / model.flavor are not used.
-    Its weights are loaded only with checkpoint.initial_load_in_hf = true."""
+    A run with no checkpoint of its own starts from its *.safetensors weights unless
+    checkpoint.initial_load_in_hf = false (architecture only) or checkpoint.initial_load_path is set."""
     attn_backend: str = "sdpa"
     """Local attention inside Ulysses: sdpa, flex (document masking) or flash_attn (CUDA)."""
     sdpa_backends: str = "auto"
@@ -193,9 +194,14 @@ class Checkpoint:
     """A step-N folder to start a new run from (when the run has no checkpoint of its own)."""
     initial_load_model_only: bool = True
     """Load only weights from initial_load_path (context extension); false loads the full state."""
-    initial_load_in_hf: bool = False
+    initial_load_in_hf: bool | None = None
     """Start the run from the safetensors weights of model.hf_assets_path (model only; the run's
-    own checkpoints still win when it resumes). Each rank reads only the slices of its shards."""
+    own checkpoints still win when it resumes). Each rank reads only the slices of its shards.
+    Unset (the default): true when that folder has *.safetensors and no initial_load_path is set;
+    false: the folder gives the architecture only and the weights are a random init."""
+    allow_fresh_start: bool = False
+    """Start over (from initial_load_path, the Hugging Face weights or a random init) even though
+    every checkpoint of this run is damaged (set aside as step-N.bad); without it such a run stops."""
     allow_data_change: bool = False
     """Resume even though the data settings (dataset, path, tokenizer, seq_len, seed, ...) differ
     from the checkpoint's; the run continues at the same global sample index of the new data."""

@@ -73,7 +73,10 @@ def _set(config: JobConfig, key: str, value, from_cli: bool = False, where: str 
     kinds = _fields(obj)
     if name not in kinds:
         raise _unknown(key, config)
-    value = _convert(key, value, kinds[name], from_cli, where)
+    kind = kinds[name]
+    if type(None) in typing.get_args(kind):  # `bool | None`: unset by default, a value when given
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    value = _convert(key, value, kind, from_cli, where)
     if key in CHOICES and value not in CHOICES[key]:
         raise ConfigError(f"{key} {value!r} is not one of {list(CHOICES[key])}")
     setattr(obj, name, value)
