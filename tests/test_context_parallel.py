@@ -222,8 +222,7 @@ def test_cp_refusals_name_the_settings():
         validate(load_config(base + ["--training.seq_len", "1001"]), 4)
     with pytest.raises(ConfigError, match=r"^parallelism: .*context_parallel_degree 2 .* = 4, but the world size is 8"):
         validate(load_config(base + ["--parallelism.data_parallel_shard_degree", "1"]), 8)
-    with pytest.raises(ConfigError, match=r"context_parallel_degree 2 is implemented for model.attn_backend 'sdpa' only"):
-        validate(load_config(base + ["--model.attn_backend", "flex"]), 4)
+    validate(load_config(base + ["--model.attn_backend", "flex"]), 8)  # every registered backend runs under cp
     pd = validate(load_config(base + ["--activation_checkpoint.mode", "selective", "--compile.enable", "true"]), 8)
     assert pd.degrees == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "sp": 2, "tp": 1}
     assert pd.size("fsdp_shard") == 8 and pd.size("dp_shard_sp") == 8 and pd.size("loss") == 8
@@ -248,15 +247,19 @@ def test_heads_ulysses_cannot_split_name_the_cp_splits_that_work():
                               "--parallelism.context_parallel_degree", "2", "--training.seq_len", "2048"]), 64)
 
 
-def test_cp_refuses_backends_it_does_not_implement():
+def test_cp_refuses_a_local_attention_it_cannot_drive():
     from titan_ulysses.distributed.context_parallel import ContextParallelAttention
-    from titan_ulysses.ops.attention import FlexAttention
 
-    class OneRankMesh:  # the backend check comes before any process group is touched
+    class OneRankMesh:  # the check comes before any process group is touched
         ndim = 1
 
-    with pytest.raises(NotImplementedError, match="attn_backend 'sdpa' only, not FlexAttention"):
-        ContextParallelAttention(FlexAttention(), OneRankMesh())  # type: ignore[arg-type]
+    class Plain(torch.nn.Module):  # neither causal_lower_right nor block_mask_for
+        def forward(self, q, k, v, attention_mask=None):
+            return q
+
+    with pytest.raises(NotImplementedError, match="needs a local attention with causal_lower_right or block_mask_for, "
+                                                  "not Plain; use model.attn_backend 'sdpa', 'flex' or 'flash_attn'"):
+        ContextParallelAttention(Plain(), OneRankMesh())  # type: ignore[arg-type]
 
 
 def test_estimator_and_comm_model_know_cp():
