@@ -133,3 +133,61 @@ def test_flex_under_cp_matches_the_definition_forward(layout):
     # FlexAttention has no CPU backward; its BlockMask by the chunks' global indices is checked here
     world, degrees = LAYOUTS[layout]
     run_distributed(_layout_matches, world, degrees, "flex", 5, 2.5, False)
+
+
+LONG = 33024  # B x S x S > 2**30: the length where sdpa's dense document mask used to be refused
+
+
+def _long_packed(layout):
+    from model_harness import build_pair, clean_name, full, small_args
+    from titan_ulysses.data.sharding import shard_batch
+    from titan_ulysses.distributed.utils import dist_sum, global_token_count
+    from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+    from titan_ulysses.ops.loss import IGNORE_INDEX
+
+    pd = ParallelDims(**layout, world_size=dist.get_world_size())
+    pd.build_mesh("cpu")
+    args = small_args(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden_dim=32)
+    ref, model = build_pair(args, pd, ParallelizeOptions(param_dtype=torch.float32))
+    with torch.no_grad():  # sharper attention than init's: a key leaking across documents shows
+        for m in (ref, model):
+            for name, p in m.named_parameters():
+                if "wq" in name or "wk" in name:
+                    p.mul_(4)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, args.vocab_size, (1, LONG + 1), generator=g)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
+    starts = torch.rand(1, LONG, generator=g) < 1 / 2000
+    starts[:, 0] = True
+    docs = starts.long().cumsum(1) - 1  # ~16 documents
+    index = torch.arange(LONG)[None]
+    positions = index - torch.where(starts, index, torch.zeros_like(index)).cummax(1).values
+    labels[:, 1:][starts[:, 1:]] = IGNORE_INDEX  # no label across a boundary
+    n = (labels != IGNORE_INDEX).sum()
+    first = dist.get_rank() == 0  # the one-process reference, on one rank (2 cores run all four)
+    if first:
+        mask = build_attention_mask("sdpa", docs)
+        assert mask.dense is None  # per document: no [S, S] tensor at this length
+        ref_loss = ref(inputs, positions=positions, attention_mask=mask, labels=labels) / n
+        ref_loss.backward()
+        with torch.no_grad():  # every document on its own, positions from 0: no mask at all
+            alone = sum(ref(inputs[:, docs[0] == d], labels=labels[:, docs[0] == d]) for d in docs.unique())
+        assert_close(alone / n, ref_loss.detach(), "packed loss vs each document alone")
+
+    sp, cp = pd.get_mesh("sp"), pd.get_mesh("cp")
+    mb = shard_batch(inputs, labels, sp.get_local_rank(), sp.size(), positions=positions, document_ids=docs,
+                     cp_rank=cp.get_local_rank(), cp=cp.size())
+    n_global = global_token_count([mb.labels], pd.get_mesh("loss"))
+    loss = model(mb.tokens, positions=mb.positions, attention_mask=build_attention_mask("sdpa", mb.document_ids),
+                 labels=mb.labels) / n_global
+    loss.backward()
+    total = dist_sum(loss.detach(), pd.get_mesh("loss")).float()
+    grads = {clean_name(name): full(p.grad) for name, p in model.named_parameters()}  # collectives: every rank
+    if first:
+        assert_close(total, ref_loss.detach(), "loss")
+        for name, p in ref.named_parameters():
+            assert_close(grads[name], p.grad, f"grad {name}", rtol=1e-4, atol=1e-5)
+
+
+def test_packed_documents_at_33k_tokens_without_a_dense_mask_match_one_process_cp2_sp2():
+    run_distributed(_long_packed, 4, dict(cp=2, sp=2))
