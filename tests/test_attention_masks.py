@@ -192,3 +192,46 @@ def _long_packed(layout):
 
 def test_packed_documents_at_33k_tokens_without_a_dense_mask_match_one_process_cp2_sp2():
     run_distributed(_long_packed, 4, dict(cp=2, sp=2))
+
+
+def _dense_blocks(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """A BlockMask's (num blocks, indices) ``[B, H, nQ]``, ``[B, H, nQ, nK]`` -> bool ``[B, H, nQ, nK]``."""
+    n_k = idx.shape[-1]
+    valid = torch.arange(n_k) < num[..., None]
+    out = torch.zeros(*idx.shape[:-1], n_k + 1, dtype=torch.bool)
+    out.scatter_(-1, torch.where(valid, idx.long(), n_k), True)
+    return out[..., :n_k]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("window", [0, 20, 45])
+def test_flex_block_mask_blocks_match_the_exact_mask(cp, window, monkeypatch):
+    """CPU flex runs eagerly and applies mask_mod everywhere, so the block structure (which the
+    fused GPU kernel trusts: skipped blocks, and full blocks without mask_mod) is checked here:
+    full blocks are exactly the all-visible ones, and every block with a visible pair is listed."""
+    from titan_ulysses.data.sharding import load_balanced_order
+    from titan_ulysses.ops.attention import flex
+
+    monkeypatch.setattr(flex, "FLEX_BLOCK", 8)
+    s = 100  # the last block runs past the end
+    _, _, _, docs = _inputs(s)
+    order = load_balanced_order(s - s % (2 * cp), cp) if cp > 1 else torch.arange(s)
+    k_index = order
+    q_index = order.view(cp, -1)[cp - 1]  # the last cp rank's head and tail chunks
+    bm = flex.block_mask(docs, q_index, k_index, window)
+    exact = (q_index[:, None] >= k_index[None]) & ((q_index[:, None] - k_index[None] < window) if window else True)
+    exact = exact[None] & (docs[:, q_index][:, :, None] == docs[:, k_index][:, None, :])  # [B, Lq, Lk]
+    lq, lk = len(q_index), len(k_index)
+    nq, nk = -(-lq // 8), -(-lk // 8)
+    padded = torch.zeros(2, nq * 8, nk * 8, dtype=torch.int)
+    padded[:, :lq, :lk] = exact.int()
+    counts = padded.view(2, nq, 8, nk, 8).sum((2, 4))  # visible pairs per block
+    sizes = torch.zeros(nq * 8, nk * 8, dtype=torch.int)
+    sizes[:lq, :lk] = 1
+    sizes = sizes.view(nq, 8, nk, 8).sum((1, 3))
+    full = _dense_blocks(bm.full_kv_num_blocks, bm.full_kv_indices)[:, 0]
+    partial = _dense_blocks(bm.kv_num_blocks, bm.kv_indices)[:, 0]
+    assert not (full & partial).any()
+    assert torch.equal(full, (counts == 64) & (sizes == 64))  # every full-size all-visible block, nothing else
+    assert torch.equal((full | partial) & (counts > 0), counts > 0)  # no visible pair is skipped
+    assert full.any() and (counts == 0).any()  # the case has blocks of both kinds
