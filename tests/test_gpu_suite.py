@@ -23,7 +23,7 @@ DRY = {
                     "attn_flex_docs_window_softcap", "attn_flash_attn_docs_window_softcap", "attn_sdpa_cp4_docs_window",
                     "attn_flex_cp4_docs_window_softcap", "attn_sdpa_priority_auto", "multiprocess_one_gpu",
                     "full_offload_equals_full", "compile_one_step", "float8_rowwise", "trainer_1b_sp1"],
-    "bench": ["bench_attention", "8b_128k_sim8_compile_bf16_full"],
+    "bench": ["bench_attention", "bench_packed_128k", "8b_128k_sim8_compile_bf16_full"],
     "limits": ["estimate_validate_8b_32k", "longest_1b_one_gpu"],
 }
 # CUDA-only kernels and packages the CPU machine lacks: the only skips a dry run may report
