@@ -235,3 +235,33 @@ def test_flex_block_mask_blocks_match_the_exact_mask(cp, window, monkeypatch):
     assert torch.equal(full, (counts == 64) & (sizes == 64))  # every full-size all-visible block, nothing else
     assert torch.equal((full | partial) & (counts > 0), counts > 0)  # no visible pair is skipped
     assert full.any() and (counts == 0).any()  # the case has blocks of both kinds
+
+
+def test_sdpa_per_document_op_compiles_once_and_differentiates():
+    """The per-document path is one custom op: a compiled block (fullgraph) does not retrace when the
+    documents change, and its gradients (recomputed inside the backward op) equal eager ones."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    module = build_attention("sdpa")
+    calls = {"n": 0}
+
+    def count(gm, example_inputs):
+        calls["n"] += 1
+        return gm.forward
+
+    compiled = torch.compile(lambda q, k, v, m: module(q, k, v, m, window=9), fullgraph=True, backend=count)
+    for seed in (0, 1):
+        q, k, v, docs = _inputs(96, seed=seed)
+        mask = build_attention_mask("sdpa", docs)
+        mask.dense = None  # the per-document op, as above DENSE_MASK_MAX_ELEMENTS
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = compiled(*leaves, mask)
+        out.backward(torch.ones_like(out))
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref = reference(*ref_leaves, docs, 9)
+        ref.backward(torch.ones_like(ref))
+        assert_close(out.double(), ref, f"seed {seed} output")
+        for name, a, b in zip("qkv", leaves, ref_leaves):
+            assert_close(a.grad.double(), b.grad, f"seed {seed} d{name}")
+    assert calls["n"] == 1  # new documents, same graph

@@ -54,8 +54,9 @@ chunks and gives rank r chunks r and 2cp-1-r, which evens out the unmasked (q, k
 Backends (``ops/attention/registry.py`` says which run under cp): a backend with
 ``causal_lower_right`` (sdpa, flash_attn) attends each chunk to the keys it may see -- the
 prefix up to the chunk's end, from the window's start with ``window``, and with packed
-documents one call per document segment of the chunk (``ops.attention.masks.segments``),
-or sdpa's dense mask indexed by global indices at small lengths. A backend with
+documents one call per document segment of the chunks (``ops/attention/per_document.py``,
+one custom op that compiled blocks do not retrace), or sdpa's dense mask indexed by global
+indices at small lengths. A backend with
 ``block_mask_for`` (flex) gets one BlockMask over the local queries' and the gathered keys'
 global indices, built from block-level ranges (never dense) and cached in the step's mask.
 """
@@ -70,7 +71,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_ulysses.data.sharding import load_balanced_order
 from titan_ulysses.distributed.ulysses import UlyssesAttention
 from titan_ulysses.ops.attention import DocumentMask, get_backend
-from titan_ulysses.ops.attention.masks import segments, visible
+from titan_ulysses.ops.attention.masks import visible
+from titan_ulysses.ops.attention.per_document import attention_per_document
 
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
@@ -145,23 +147,19 @@ class ContextParallelAttention(nn.Module):
         kv = kv.index_select(1, torch.argsort(order))
         k, v = kv.split(hkv, dim=2)
         chunk = local_len // 2
-        chunks = [(i, c * chunk, (c + 1) * chunk) for i, c in enumerate((self.cp_rank, 2 * self.cp - 1 - self.cp_rank))]
-        lower_right = self.local_attention.causal_lower_right
         if attention_mask is None:
             outs = []
-            for i, start, end in chunks:
+            for i, c in enumerate((self.cp_rank, 2 * self.cp - 1 - self.cp_rank)):
+                start, end = c * chunk, (c + 1) * chunk
                 ks = max(0, start - window + 1) if window > 0 else 0
-                outs.append(lower_right(q[:, i * chunk:(i + 1) * chunk], k[:, ks:end], v[:, ks:end], **kw))
+                outs.append(self.local_attention.causal_lower_right(
+                    q[:, i * chunk:(i + 1) * chunk], k[:, ks:end], v[:, ks:end], **kw))
             return torch.cat(outs, dim=1)  # [B, S/cp, Hq, D]
-        rows = []  # packed documents: one lower-right call per document segment of each chunk
-        for r, spans in enumerate(attention_mask.spans()):
-            outs = []
-            for i, start, end in chunks:
-                for qa, qb, ks in segments(spans, start, end, window):
-                    lq = slice(i * chunk + qa - start, i * chunk + qb - start)
-                    outs.append(lower_right(q[r:r + 1, lq], k[r:r + 1, ks:qb], v[r:r + 1, ks:qb], **kw))
-            rows.append(torch.cat(outs, dim=1))
-        return torch.cat(rows, dim=0)  # [B, S/cp, Hq, D]
+        # packed documents: one lower-right call per document segment of each chunk, in one op
+        q_index = load_balanced_order(self.cp * local_len, self.cp, "cpu").view(self.cp, local_len)[self.cp_rank]
+        local = self.local_attention
+        return attention_per_document(q, k, v, attention_mask.document_ids, q_index, scale or 0.0, window, softcap,
+                                      local.backend_name, getattr(local, "sdpa_backends", "auto"))
 
     def extra_repr(self) -> str:
         return f"cp={self.cp}, cp_rank={self.cp_rank}"

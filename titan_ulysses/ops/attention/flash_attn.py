@@ -30,6 +30,9 @@ def _window(window: int) -> tuple[int, int]:
 
 
 class FlashAttnAttention(nn.Module):
+    backend_name = "flash_attn"
+    sdpa_backends = "auto"  # unused; the per-document op's signature
+
     def __init__(self):
         super().__init__()
         _import_flash_attn()
@@ -53,11 +56,4 @@ class FlashAttnAttention(nn.Module):
         """``q: [B, Lq, Hq, D]`` against ``k, v: [B, Lk, Hkv, D]``, ``Lq <= Lk``, diagonal bottom-right."""
         return _import_flash_attn().flash_attn_func(
             q, k, v, softmax_scale=scale, causal=True, window_size=_window(window), softcap=softcap
-        )
-
-    def varlen(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale=None, window=0, softcap=0.0):
-        """Packed segments (``q: [Tq, Hq, D]``, ``k, v: [Tk, Hkv, D]``), each lower-right causal."""
-        return _import_flash_attn().flash_attn_varlen_func(
-            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True,
-            window_size=_window(window), softcap=softcap,
         )

@@ -9,7 +9,7 @@ is one more run). So any query range ``[a, b)`` against the keys it may see spli
 *segments*: per document, the queries of the range that lie in it against the keys from the
 document's start (or the window's) up to the last query -- lower-right aligned causal attention,
 which every backend runs without an ``[S, S]`` mask. :func:`segments` lists them from host-side
-spans, computed once per step.
+spans (``per_document.py`` runs them).
 """
 
 from __future__ import annotations
@@ -84,18 +84,11 @@ class DocumentMask:
     """sdpa at small lengths only: [B, 1, S, S] bool, causal within documents."""
     cu_seqlens: tuple[torch.Tensor, int] | None = None
     """flash_attn: cumulative document lengths over the flattened batch and the longest document."""
-    _spans: list | None = field(default=None, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def shape(self):
         return self.document_ids.shape
-
-    def spans(self) -> list[list[tuple[int, int]]]:
-        """Per row, the (start, end) of every document (host-side, computed once per step)."""
-        if self._spans is None:
-            self._spans = row_spans(self.document_ids)
-        return self._spans
 
     def cached(self, key, build):
         """A per-step cache for derived metadata (block masks per window, cp segments)."""

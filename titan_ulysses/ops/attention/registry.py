@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from titan_ulysses.ops.attention import per_document  # noqa: F401  (registers titan_ulysses::attention_per_document)
 from titan_ulysses.ops.attention.masks import DENSE_MASK_MAX_ELEMENTS, DocumentMask, cu_seqlens_from_document_ids
 
 
@@ -84,7 +85,8 @@ BACKENDS: dict[str, Backend] = {
         documents="a dense mask up to 16M elements, per-document causal calls above",
         window=True, softcap="unfused", cp=True,
         save_ops=("aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
-                  "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu"),
+                  "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
+                  "titan_ulysses.attention_per_document"),
     ),
     "flex": Backend(
         "flex", _flex, _flex_mask, cpu_backward=False, cuda_only=False, native_gqa=True,
@@ -94,7 +96,8 @@ BACKENDS: dict[str, Backend] = {
     "flash_attn": Backend(
         "flash_attn", _flash_attn, _flash_attn_mask, cpu_backward=False, cuda_only=True, native_gqa=True,
         documents="varlen kernel with cumulative document lengths", window=True, softcap="fused", cp=True,
-        save_ops=("flash_attn._flash_attn_forward", "flash_attn._flash_attn_varlen_forward"),
+        save_ops=("flash_attn._flash_attn_forward", "flash_attn._flash_attn_varlen_forward",
+                  "titan_ulysses.attention_per_document"),
     ),
 }
 

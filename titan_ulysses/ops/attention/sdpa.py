@@ -8,8 +8,8 @@ On CUDA sdpa dispatches to FlashAttention, cuDNN or memory-efficient kernels, in
 * ``softcap``: sdpa has no score hook, so scores are computed explicitly (``_math``), in the
   same query blocks -- exact, unfused (flex and flash_attn fuse it);
 * packed documents: a dense ``[B, 1, S, S]`` mask only while ``B x S x S`` is at most
-  ``masks.DENSE_MASK_MAX_ELEMENTS``; above, one causal call per document (the segments of
-  ``masks.py``), each on the unmasked kernels (cuDNN / flash on CUDA) -- no ``[S, S]`` tensor.
+  ``masks.DENSE_MASK_MAX_ELEMENTS``; above, one causal call per document (``per_document.py``,
+  one custom op), each on the unmasked kernels (cuDNN / flash on CUDA) -- no ``[S, S]`` tensor.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from titan_ulysses.ops.attention.masks import DocumentMask, lower_right_mask, segments
+from titan_ulysses.ops.attention.masks import DocumentMask, lower_right_mask
+from titan_ulysses.ops.attention.per_document import attention_per_document
 
 BLOCK = 1024
 """Query block of windowed / softcapped / lower-right calls: masks are [BLOCK, BLOCK + window] at most."""
@@ -108,6 +109,9 @@ class SDPAAttention(nn.Module):
         super().__init__()
         # kernel orders for calls without and with a mask, resolved for this machine; empty: PyTorch's
         self.orders = {m: [SDPA_KERNELS[n] for n in sdpa_priority(sdpa_backends, m)] for m in (False, True)}
+        self.sdpa_backends = sdpa_backends
+
+    backend_name = "sdpa"
 
     def _kernels(self, masked: bool):
         order = self.orders[masked]
@@ -119,7 +123,9 @@ class SDPAAttention(nn.Module):
             return self.causal_lower_right(q, k, v, scale=scale, window=window, softcap=softcap)
         if isinstance(attention_mask, DocumentMask):
             if attention_mask.dense is None:
-                return self._per_document(q, k, v, attention_mask.spans(), scale, window, softcap)
+                index = torch.arange(q.shape[1], device="cpu")  # [S]: every query, in order
+                return attention_per_document(q, k, v, attention_mask.document_ids, index, scale or 0.0, window,
+                                              softcap, "sdpa", self.sdpa_backends)
             mask = attention_mask.dense
             if window > 0:  # [B, 1, S, S] & [S, S]
                 mask = mask & lower_right_mask(q.shape[1], k.shape[1], window, q.device)
@@ -151,16 +157,6 @@ class SDPAAttention(nn.Module):
         with self._kernels(False):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)  # [B, S, H, D]
-
-    def _per_document(self, q, k, v, spans, scale, window, softcap):
-        """One lower-right causal call per document of each row: no mask over the sequence."""
-        rows = []
-        for r, row in enumerate(spans):
-            outs = [self.causal_lower_right(q[r:r + 1, qa:qb], k[r:r + 1, ks:qb], v[r:r + 1, ks:qb],
-                                            scale=scale, window=window, softcap=softcap)
-                    for qa, qb, ks in segments(row, 0, q.shape[1], window)]
-            rows.append(torch.cat(outs, dim=1))  # [1, S, Hq, D]
-        return torch.cat(rows, dim=0)
 
     def causal_lower_right(self, q, k, v, *, scale=None, window=0, softcap=0.0):
         """Causal attention of the last ``Lq`` tokens of an ``Lk``-token prefix, the diagonal aligned bottom-right.
