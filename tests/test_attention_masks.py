@@ -265,3 +265,22 @@ def test_sdpa_per_document_op_compiles_once_and_differentiates():
         for name, a, b in zip("qkv", leaves, ref_leaves):
             assert_close(a.grad.double(), b.grad, f"seed {seed} d{name}")
     assert calls["n"] == 1  # new documents, same graph
+
+
+def test_packed_long_windows_on_sdpa_validate_where_they_were_refused():
+    """65536 packed tokens on sdpa needed a 4 GiB dense mask and were refused; now they validate, and
+    what a backend cannot do is still refused in one line naming the alternatives."""
+    from titan_ulysses.config.manager import ConfigError, load_config, validate
+    from titan_ulysses.ops.attention import check_attention_settings
+
+    base = ["--config", "train_configs/debug_model.toml", "--training.dataset", "sft", "--training.dataset_path",
+            "docs/examples/sft_train.jsonl", "--training.seq_len", "65536"]
+    validate(load_config(base), 2)
+    with pytest.raises(ConfigError, match=r"^model.attn_backend 'flash_attn' cannot train on CPU \(flash-attn is "
+                                          r"CUDA-only\); use one of \['sdpa'\] on CPU$"):
+        try:
+            check_attention_settings("flash_attn", "auto", 1, "cpu")
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+    with pytest.raises(ValueError, match=r"model.attn_backend 'xformers' is not one of \['sdpa', 'flex', 'flash_attn'\]"):
+        check_attention_settings("xformers", "auto", 1)
