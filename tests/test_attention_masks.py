@@ -284,3 +284,16 @@ def test_packed_long_windows_on_sdpa_validate_where_they_were_refused():
             raise ConfigError(str(e)) from e
     with pytest.raises(ValueError, match=r"model.attn_backend 'xformers' is not one of \['sdpa', 'flex', 'flash_attn'\]"):
         check_attention_settings("xformers", "auto", 1)
+
+
+def test_flex_block_mask_traces_in_a_compiled_block():
+    """The trainer compiles each block with fullgraph=True: flex's BlockMask (per window, from the
+    step's document ids) must be built inside the graph without a data-dependent break."""
+    module = build_attention("flex")
+    compiled = torch.compile(lambda q, k, v, m: module(q, k, v, m, window=9, softcap=2.0), fullgraph=True,
+                             backend="eager")
+    q, k, v, docs = _inputs(150)
+    for d in (None, docs):
+        with torch.no_grad():  # no CPU backward
+            out = compiled(q, k, v, build_attention_mask("flex", d))
+        assert_close(out.double(), reference(q, k, v, d, 9, 2.0), f"docs={d is not None}")

@@ -32,9 +32,9 @@ def document_runs(document_ids: torch.Tensor) -> torch.Tensor:
 
 def _block_min_max(x: torch.Tensor, n_blocks: int):
     """``[..., L]`` -> per block of FLEX_BLOCK along the last dim, (min, max) ``[..., n_blocks]``."""
-    pad = n_blocks * FLEX_BLOCK - x.shape[-1]
-    lo = torch.nn.functional.pad(x, (0, pad), value=int(x.max())) if pad else x
-    hi = torch.nn.functional.pad(x, (0, pad), value=int(x.min())) if pad else x
+    pad = n_blocks * FLEX_BLOCK - x.shape[-1]  # indices and run numbers lie in [0, 2**30): pads never win
+    lo = torch.nn.functional.pad(x, (0, pad), value=2**30) if pad else x
+    hi = torch.nn.functional.pad(x, (0, pad), value=-1) if pad else x
     return (lo.view(*x.shape[:-1], n_blocks, FLEX_BLOCK).amin(-1),
             hi.view(*x.shape[:-1], n_blocks, FLEX_BLOCK).amax(-1))
 
@@ -118,8 +118,9 @@ class FlexAttention(nn.Module):
     def block_mask_for(self, attention_mask, q_index, k_index, window: int = 0):
         """The BlockMask of queries at global indices ``q_index`` against keys at ``k_index`` (context
         parallelism passes its load-balanced chunks'), cached per window in the step's mask object."""
-        if attention_mask is None:
-            return block_mask(None, q_index, k_index, window)
+        docs = None if attention_mask is None else attention_mask.document_ids
+        if attention_mask is None or torch.compiler.is_compiling():  # traced: built in the graph, per call
+            return block_mask(docs, q_index, k_index, window)
         return attention_mask.cached(("flex", window, q_index.numel(), k_index.numel()), lambda: block_mask(
             attention_mask.document_ids, q_index, k_index, window))
 
