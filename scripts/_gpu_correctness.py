@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from _gpu_attention import CASES as ATTENTION_CASES
 from _gpu_multirank import multiprocess_one_gpu
 from _runs import ROOT, train_command
 from _gpu_common import Case, Skip, exact_fp32, rel_err
@@ -44,6 +45,13 @@ def _documents(b: int, s: int, gen: torch.Generator) -> torch.Tensor:
         ids[cuts] = 1
         rows.append(ids.cumsum(0))
     return torch.stack(rows)
+
+
+def _dense_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool, causal within documents: the reference's mask (sdpa itself builds none at 4K x 2)."""
+    s = doc_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
 def _reference(q, k, v, grad, dense_mask):
@@ -73,7 +81,7 @@ def attention_case(backend: str, kernel: SDPBackend | None, docs: bool, dtypes: 
         base = [torch.randn(b, s, h, d, generator=gen) for h in (hq, hkv, hkv)]
         grad = torch.randn(b, s, hq, d, generator=gen)
         doc_ids = _documents(b, s, gen).to(ctx.device) if docs else None
-        dense = build_attention_mask("sdpa", doc_ids) if docs else None
+        dense = _dense_mask(doc_ids) if docs else None
         module = build_attention(backend)
         figures, ok = {}, True
         # FlexAttention has no CPU backward: the dry run checks its forward only
@@ -124,14 +132,16 @@ def sdpa_priority_case(ctx):
         q, k, v = (torch.randn(b, s, h, d, generator=gen).to(ctx.device, dtype).requires_grad_()
                    for h in (hq, hkv, hkv))
         g = torch.randn(b, s, hq, d, generator=gen).to(ctx.device, dtype)
-        mask = build_attention_mask("sdpa", _documents(b, s, gen).to(ctx.device)) if masked else None
+        doc_ids = _documents(b, s, gen).to(ctx.device) if masked else None
+        mask = build_attention_mask("sdpa", doc_ids) if masked else None
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
         with profile(activities=activities) as prof:
             out = module(q, k, v, mask)
             out.backward(g)
         ran = sorted({e.name.removeprefix("aten::_scaled_dot_product_") for e in prof.events()
                       if e.name.startswith("aten::_scaled_dot_product") and "backward" not in e.name})
-        err = max(rel_err(x, r) for x, r in zip((out, q.grad, k.grad, v.grad), _reference(q, k, v, g, mask)))
+        err = max(rel_err(x, r) for x, r in zip((out, q.grad, k.grad, v.grad),
+                                                   _reference(q, k, v, g, _dense_mask(doc_ids) if masked else None)))
         order = sdpa_priority("auto", masked)
         want = order[0] if order else "flash"  # PyTorch's order: its flash kernel (CPU: flash_attention_for_cpu)
         kind = "masked" if masked else "causal"
@@ -420,6 +430,7 @@ CASES = [
     Case("attn_flash_attn_pkg", attention_case("flash_attn", None, False, (torch.bfloat16,)), 10, 1),
     Case("attn_sdpa_lower_right_cp", lower_right_case, 10, 2),
     Case("attn_sdpa_priority_auto", sdpa_priority_case, 15, 2),
+    *ATTENTION_CASES,
     Case("multiprocess_one_gpu", multiprocess_one_gpu, 90, 30),
     Case("full_offload_equals_full", full_offload_equals_full, 15, 5),
     Case("checkpoint_async_pinned_resume", checkpoint_async_pinned_resume, 60, 30),

@@ -30,6 +30,7 @@ import torch
 
 from _gpu_correctness import train
 from _runs import ROOT
+from _gpu_attention import BENCH_CASES as ATTENTION_BENCH
 from _gpu_common import Case, Skip
 
 CONFIGS = os.path.join(ROOT, "train_configs")
@@ -241,6 +242,7 @@ def longest(config_name: str, extra: list[str], lengths: tuple[int, int], target
 K = 1024
 BENCH_CASES = [
     Case("bench_attention", bench_attention_case, 120, 10),
+    *ATTENTION_BENCH,
     *[Case(f"8b_128k_sim8_{'compile' if c else 'eager'}_{p}_{ac}",
            train_cell(os.path.join(CONFIGS, "llama3_8b_128k.toml"), c, p, ac, SIM8, 128 * K), 110, 10)
       for c, p, ac in ((True, "bf16", "selective"), (True, "float8", "selective"), (True, "bf16", "full"),

@@ -8,8 +8,8 @@
 
 The model of what is kept is in ``titan_ulysses/metrics/memory_estimate.py``. The
 recommendation tries the ranks per sequence smallest first (Ulysses where the heads allow,
-ulysses x context_parallel where they do not; cp only on ``model.attn_backend`` sdpa, so with
-flex or flash_attn a cp split comes last and names ``--model.attn_backend sdpa``) and adds memory
+ulysses x context_parallel where they do not, on every attention backend the registry says runs
+under cp) and adds memory
 switches in the order of the user guide until the estimate fits in 90% of the device
 (the rest: CUDA context, NCCL, fragmentation); FSDP CPU offload comes in only where no
 split fits without it.

@@ -223,8 +223,7 @@ def test_cp_refusals_name_the_settings():
         validate(load_config(base + ["--training.seq_len", "1001"]), 4)
     with pytest.raises(ConfigError, match=r"^parallelism: .*context_parallel_degree 2 .* = 4, but the world size is 8"):
         validate(load_config(base + ["--parallelism.data_parallel_shard_degree", "1"]), 8)
-    with pytest.raises(ConfigError, match=r"context_parallel_degree 2 is implemented for model.attn_backend 'sdpa' only"):
-        validate(load_config(base + ["--model.attn_backend", "flex"]), 4)
+    validate(load_config(base + ["--model.attn_backend", "flex"]), 8)  # every registered backend runs under cp
     pd = validate(load_config(base + ["--activation_checkpoint.mode", "selective", "--compile.enable", "true"]), 8)
     assert pd.degrees == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "sp": 2, "tp": 1}
     assert pd.size("fsdp_shard") == 8 and pd.size("dp_shard_sp") == 8 and pd.size("loss") == 8
@@ -249,15 +248,19 @@ def test_heads_ulysses_cannot_split_name_the_cp_splits_that_work():
                               "--parallelism.context_parallel_degree", "2", "--training.seq_len", "2048"]), 64)
 
 
-def test_cp_refuses_backends_it_does_not_implement():
+def test_cp_refuses_a_local_attention_it_cannot_drive():
     from titan_ulysses.distributed.context_parallel import ContextParallelAttention
-    from titan_ulysses.ops.attention import FlexAttention
 
-    class OneRankMesh:  # the backend check comes before any process group is touched
+    class OneRankMesh:  # the check comes before any process group is touched
         ndim = 1
 
-    with pytest.raises(NotImplementedError, match="attn_backend 'sdpa' only, not FlexAttention"):
-        ContextParallelAttention(FlexAttention(), OneRankMesh())  # type: ignore[arg-type]
+    class Plain(torch.nn.Module):  # neither causal_lower_right nor block_mask_for
+        def forward(self, q, k, v, attention_mask=None):
+            return q
+
+    with pytest.raises(NotImplementedError, match="needs a local attention with causal_lower_right or block_mask_for, "
+                                                  "not Plain; use model.attn_backend 'sdpa', 'flex' or 'flash_attn'"):
+        ContextParallelAttention(Plain(), OneRankMesh())  # type: ignore[arg-type]
 
 
 def test_estimator_and_comm_model_know_cp():
@@ -308,35 +311,32 @@ def test_estimator_and_comm_model_know_cp():
     assert rec is not None and rec[1][0] == "--parallelism.ulysses_degree 8" and "context" not in " ".join(rec[1])
 
 
-def test_recommend_proposes_cp_only_with_sdpa():
-    """cp runs on sdpa only: with flex or flash_attn, where the heads do not split evenly, Ulysses with
-    uneven head counts keeps the backend; a cp split comes after every split that keeps the backend,
-    and names the backend change it needs (tests/test_memory_estimate.py: past the head count)."""
+def test_recommend_proposes_cp_on_every_backend_that_runs_under_cp():
+    """Every registered backend runs under cp (ops/attention/registry.py), so flex and flash_attn get
+    the split sdpa gets, without a backend change; a backend the registry marks otherwise would be
+    offered cp only after every split that keeps it, with ``--model.attn_backend sdpa``."""
     import dataclasses
+    from unittest import mock
 
     from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
     from titan_ulysses.metrics.memory_fit import recommend
     from titan_ulysses.models.llama.args import get_flavor
+    from titan_ulysses.ops.attention import registry
 
-    qwen = dict(dim=3584, n_heads=28, n_kv_heads=4, ffn_hidden_dim=18944, vocab_size=152064)
-    for backend in ("flex", "flash_attn"):
-        # 3M tokens of Qwen2.5-7B's shape on 8 GPUs: nothing fits over 4 ranks without CPU offload;
-        # ulysses 8 (heads 4,3,4,3,...) does, on the same backend
-        rec = recommend(get_flavor("8B", **qwen), Layout(dp_shard=8), Switches(),
-                        3145728, 1, 8, 0.9 * 80 * GIB, attn_backend=backend)
-        assert rec is not None and rec[1][0] == "--parallelism.ulysses_degree 8", rec[1]
-        assert not any("context_parallel" in f or "attn_backend" in f or "cpu_offload" in f for f in rec[1]), rec[1]
-
-    # 12 heads, 4 kv heads, 12 GPUs: 3 ranks per sequence split the heads evenly only as 1 x cp 3.
-    # A budget that 3 ranks just meet: sdpa takes cp 3 (even work per rank). flex keeps its backend:
-    # ulysses 3 would give each rank 4 q heads straddling kv groups (kv expanded: more memory than
-    # the even split of 3 ranks), so it takes the even ulysses 4
+    # 12 heads, 4 kv heads, 12 GPUs: 3 ranks per sequence split the heads evenly only as 1 x cp 3,
+    # and a budget that 3 ranks just meet
     args = get_flavor("debugmodel", dim=192, n_heads=12, n_kv_heads=4)
     lean = Switches(loss_chunk_size=8192, mlp_tile_size=8192, ac_mode="full_offload")
     budget = estimate(args, Layout(dp_shard=4, cp=3), lean, 49152).total
     sdpa = recommend(args, Layout(dp_shard=12), Switches(), 49152, 1, 12, budget)
     assert sdpa is not None and sdpa[1][:2] == ["--parallelism.ulysses_degree 1", "--parallelism.context_parallel_degree 3"]
-    assert estimate(args, Layout(dp_shard=4, sp=3), lean, 49152).total > budget
-    flex = recommend(args, Layout(dp_shard=12), Switches(), 49152, 1, 12, budget, attn_backend="flex")
+    for backend in ("flex", "flash_attn"):
+        other = recommend(args, Layout(dp_shard=12), Switches(), 49152, 1, 12, budget, attn_backend=backend)
+        assert other is not None and other[1] == sdpa[1], (backend, other[1])
+    # a backend without cp keeps itself: the even ulysses 4 (ulysses 3 straddles kv groups: more memory)
+    no_cp = dataclasses.replace(registry.BACKENDS["flex"], cp=False)
+    with mock.patch.dict(registry.BACKENDS, {"flex": no_cp}):
+        assert estimate(args, Layout(dp_shard=4, sp=3), lean, 49152).total > budget
+        flex = recommend(args, Layout(dp_shard=12), Switches(), 49152, 1, 12, budget, attn_backend="flex")
     assert flex is not None and flex[1][0] == "--parallelism.ulysses_degree 4", flex[1]
     assert not any("context_parallel" in f or "attn_backend" in f for f in flex[1]), flex[1]

@@ -51,8 +51,6 @@ TROUBLES = [  # (arguments, world size); each error's text must be quoted in the
     (["--config", "train_configs/debug_model.toml", "--training.seq_lenn", "1024"], 2),
     (["--config", "train_configs/debug_model.toml", "--optimizer.lr", "nan"], 2),
     (["--config", "train_configs/debug_model.toml", "--training.dataset", "text"], 2),
-    (["--config", "train_configs/debug_model.toml", "--training.dataset", "sft", "--training.dataset_path",
-      "docs/examples/sft_train.jsonl", "--training.seq_len", "65536"], 2),
 ]
 
 

@@ -97,7 +97,7 @@ def test_the_plan_names_the_model_data_memory_and_saves(stand_ins, train_main, t
                                  "--world-size", "8", "--device-memory-gib", "141"])
     assert code == 0, err
     lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
-    assert "LlamaForCausalLM 2 layers, dim 64, 8 heads (2 kv" in lines["model"] and "attention flex" in lines["model"]
+    assert "LlamaForCausalLM 2 layers, dim 64, 8 heads (2 kv" in lines["model"] and "attention sdpa" in lines["model"]
     assert "131072-token sequence over 8 rank(s) (16384 tokens each)" in lines["layout"]
     assert "global batch 8 = local 1 x dp 1 x 8 microbatch(es)" in lines["layout"]
     assert lines["training data"].startswith(f"text {stand_ins['corpus']}: 1 file(s)")
@@ -109,13 +109,15 @@ def test_the_plan_names_the_model_data_memory_and_saves(stand_ins, train_main, t
     assert lines["weights at the first step"] == f"the Hugging Face folder {stand_ins['hf']} (its safetensors)"
 
 
-def test_packed_documents_on_sdpa_at_128k_are_refused(stand_ins, train_main, tmp_path):
-    """Why the shipped 128K config from a Hugging Face folder uses flex (until sdpa masks without [S, S])."""
+def test_packed_documents_at_128k_pass_on_sdpa_and_flex(stand_ins, train_main, tmp_path):
+    """The shipped 128K config packs documents on sdpa (one causal call per document, no [S, S] mask);
+    flex (a block mask) passes too. Both were refused (or needed flex) while sdpa masked densely."""
     path = os.path.join(ROOT, "train_configs", "llama3_8b_128k_from_hf.toml")
-    code, out, err = train_main(["--config", path, *overrides_for(path, stand_ins, str(tmp_path / "run")),
-                                 "--model.attn_backend", "sdpa", "--dry-run", "--world-size", "8"])
-    assert code == 2 and out == "" and len(err) == 1, err
-    assert err[0].startswith("config error: packed documents on model.attn_backend 'sdpa' need a dense"), err
+    for backend in ("sdpa", "flex"):
+        code, out, err = train_main(["--config", path, *overrides_for(path, stand_ins, str(tmp_path / "run")),
+                                     "--model.attn_backend", backend, "--dry-run", "--world-size", "8"])
+        assert code == 0, (backend, err)
+        assert f"attention {backend}" in out, out
 
 
 def test_a_plan_that_does_not_fit_the_device_is_refused_with_what_fits(train_main):

@@ -20,13 +20,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # test_checkpoint.py, test_compile.py) and would add three minutes to CI.
 DRY = {
     "correctness": ["attn_sdpa_flash", "attn_sdpa_cudnn", "attn_sdpa_docmask", "attn_flex_docmask",
-                    "attn_flash_attn_pkg", "attn_sdpa_lower_right_cp", "attn_sdpa_priority_auto", "multiprocess_one_gpu",
+                    "attn_flash_attn_pkg", "attn_sdpa_lower_right_cp", "attn_sdpa_docs_window_softcap",
+                    "attn_flex_docs_window_softcap", "attn_flash_attn_docs_window_softcap", "attn_sdpa_cp4_docs_window",
+                    "attn_flex_cp4_docs_window_softcap", "attn_sdpa_priority_auto", "multiprocess_one_gpu",
                     "full_offload_equals_full", "compile_one_step", "float8_rowwise", "trainer_1b_sp1"],
-    "bench": ["bench_attention", "8b_128k_sim8_compile_bf16_full"],
+    "bench": ["bench_attention", "bench_packed_128k", "8b_128k_sim8_compile_bf16_full"],
     "limits": ["estimate_validate_8b_32k", "longest_1b_one_gpu"],
 }
 # CUDA-only kernels and packages the CPU machine lacks: the only skips a dry run may report
-MAY_SKIP = {"attn_sdpa_cudnn": "CUDA kernel", "attn_flash_attn_pkg": "not installed"}
+MAY_SKIP = {"attn_sdpa_cudnn": "CUDA kernel", "attn_flash_attn_pkg": "not installed",
+            "attn_flash_attn_docs_window_softcap": "not installed"}
 
 
 @pytest.mark.slow

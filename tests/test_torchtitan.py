@@ -135,7 +135,7 @@ def _trainer_hook_shards_like_prepare():
     assert torch.equal(tokens, inputs[:, rank * 8:(rank + 1) * 8])
     assert torch.equal(local_labels, labels[:, rank * 8:(rank + 1) * 8])
     assert torch.equal(extra["positions"], positions[:, rank * 8:(rank + 1) * 8])
-    assert extra["attention_masks"].shape == (2, 1, 16, 16)  # the full sequence's mask
+    assert extra["attention_masks"].dense.shape == (2, 1, 16, 16)  # the full sequence's mask (sdpa, short: dense)
     assert fake.ntokens_seen == 16
 
 

@@ -58,11 +58,8 @@ from titan_ulysses.metrics.memory_fit import from_config, memory_warning
 from titan_ulysses.models.hf_config import describe
 from titan_ulysses.models.registry import check_compute
 from titan_ulysses.models.resolve import model_args
-from titan_ulysses.ops.attention import parse_sdpa_backends
+from titan_ulysses.ops.attention import check_attention_settings
 
-# sdpa masks packed documents with a dense [B, 1, S, S] boolean mask; above this many
-# elements (1 GiB, with about twice that in temporaries) it is refused in favour of flex.
-SDPA_DENSE_MASK_MAX_ELEMENTS = 2**30
 
 
 def validate(config: JobConfig, world_size: int) -> ParallelDims:
@@ -96,15 +93,10 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         check_seq_len(t.seq_len, dims.sp, dims.cp)
     except ValueError as e:
         raise ConfigError(f"training.seq_len: {e}") from e
-    try:
-        parse_sdpa_backends(config.model.sdpa_backends)
+    try:  # what the backend cannot do (ops/attention/registry.py); the CPU check runs once the device is known
+        check_attention_settings(config.model.attn_backend, config.model.sdpa_backends, dims.cp)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    if dims.cp > 1 and config.model.attn_backend != "sdpa":
-        raise ConfigError(
-            f"parallelism.context_parallel_degree {dims.cp} is implemented for model.attn_backend 'sdpa' only, "
-            f"not {config.model.attn_backend!r}; use 'sdpa' (or context_parallel_degree 1)"
-        )
     dp = dims.size("dp")
     gbs = resolved_global_batch_size(config, dp)
     if gbs <= 0 or gbs % (t.local_batch_size * dp):
@@ -113,31 +105,12 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
             f"{t.local_batch_size} x {dp} = {t.local_batch_size * dp}"
         )
     check_requirements(config)
-    _check_dense_mask(config, dims)
     if config.float8.enable:
         try:
             check_float8(float8_options(config), dims.tp)
         except (ValueError, ImportError) as e:
             raise ConfigError(str(e)) from e
     return dims
-
-
-def _check_dense_mask(config: JobConfig, dims: ParallelDims) -> None:
-    """Packed documents on sdpa need a dense [B, 1, S, S] mask: refused where it would not fit."""
-    t, v = config.training, config.validation
-    kinds = {t.dataset} | ({v.dataset or t.dataset} if v.enable else set())
-    packed = t.packing and bool(kinds - {"passkey"})
-    if packed and config.model.attn_backend == "sdpa":
-        from titan_ulysses.data.sharding import padded_length
-
-        s = padded_length(t.seq_len, dims.sp)
-        if t.local_batch_size * s * s > SDPA_DENSE_MASK_MAX_ELEMENTS:
-            gib = t.local_batch_size * s * s / 2**30
-            raise ConfigError(
-                f"packed documents on model.attn_backend 'sdpa' need a dense [{t.local_batch_size}, 1, {s}, {s}] "
-                f"document mask ({gib:.0f} GiB) at training.seq_len {t.seq_len}; use model.attn_backend 'flex' "
-                f"or 'flash_attn', or training.packing = false (one document per window)"
-            )
 
 
 def check_files(config: JobConfig) -> None:

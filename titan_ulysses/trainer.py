@@ -43,7 +43,7 @@ from titan_ulysses.models.llama.args import LlamaArgs
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions
 from titan_ulysses.models.registry import build_model, parallelize_model
 from titan_ulysses.models.resolve import model_args
-from titan_ulysses.ops.attention import build_attention_mask, sdpa_priority
+from titan_ulysses.ops.attention import build_attention_mask, check_attention_settings, sdpa_priority
 from titan_ulysses.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
 from titan_ulysses.preflight import check_files, validate
 from titan_ulysses.validate import build_validator
@@ -113,11 +113,11 @@ class Trainer:
         self.fake = config.comm.mode == "fake"
         exit_with_launcher()
         self.device = init_distributed(config.comm.fake_world_size if self.fake else 0, config.comm.init_timeout_seconds)
-        if self.device.type == "cpu" and config.model.attn_backend != "sdpa":
-            raise ConfigError(
-                f"model.attn_backend {config.model.attn_backend!r} cannot train on CPU (FlexAttention has no CPU "
-                f"backward and flash-attn is CUDA-only); use model.attn_backend 'sdpa' on CPU"
-            )
+        try:  # what the attention backend cannot do on this device (ops/attention/registry.py)
+            check_attention_settings(config.model.attn_backend, config.model.sdpa_backends, self.parallel_dims.cp,
+                                     self.device.type)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         self.rank = dist.get_rank()
         if self.device.type == "cuda" and self.rank == 0:
             from titan_ulysses.metrics.memory_fit import memory_warning
@@ -202,7 +202,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.args, t.seq_len,
                                                self.trainable_params if options.lora is not None else 0)
         self.peak_flops = peak_flops(self.device)
-        # packed rows hold several documents: every backend masks per document (sdpa densely)
+        # packed rows hold several documents: every backend masks per document (ops/attention/registry.py)
         self.use_doc_mask = self.data.packed
         self.validator = build_validator(config, self.data, self.model, pd, self.device, self.compute.attn_backend,
                                          self.tokenizer.pad_id, self.accumulation_steps)

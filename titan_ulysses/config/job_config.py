@@ -26,7 +26,8 @@ class Model:
     A run with no checkpoint of its own starts from its *.safetensors weights unless
     checkpoint.initial_load_in_hf = false (architecture only) or checkpoint.initial_load_path is set."""
     attn_backend: str = "sdpa"
-    """Local attention inside Ulysses: sdpa, flex (document masking) or flash_attn (CUDA)."""
+    """Local attention inside Ulysses and cp: sdpa, flex or flash_attn (CUDA); what each can do
+    (CPU training, documents, windows, softcap, cp) is in titan_ulysses/ops/attention/registry.py."""
     sdpa_backends: str = "auto"
     """With attn_backend sdpa, the order its kernels are tried in: "auto" (causal attention: cuDNN
     first on Hopper GPUs, where it measured 1.8x FlashAttention's speed, PyTorch's order elsewhere;
@@ -65,7 +66,7 @@ class Parallelism:
     """Ranks each sequence is also split over by context parallelism (torchtitan's name), outside
     ulysses_degree: attention all-gathers K and V over them, so the head count does not cap it.
     Each rank holds a head and a tail chunk of the sequence (causal load balance); seq_len must
-    divide by 2 x context_parallel_degree x ulysses_degree. attn_backend 'sdpa' only."""
+    divide by 2 x context_parallel_degree x ulysses_degree. Every attn_backend."""
     ulysses_degree: int = 1
     """Ranks each sequence is split over (Ulysses sequence parallelism)."""
     tensor_parallel_degree: int = 1
@@ -313,7 +314,7 @@ class JobConfig:
 # Settings with a fixed set of values.
 CHOICES = {
     "model.name": ("llama3",),
-    "model.attn_backend": ("sdpa", "flex", "flash_attn"),
+    "model.attn_backend": ("sdpa", "flex", "flash_attn"),  # ops/attention/registry.py's BACKENDS (config/ is a leaf)
     "model.rope_scaling_type": ("", "llama3", "yarn", "linear"),
     "model.tokenizer": ("byte", "tiktoken", "hf"),
     "training.dataset": ("passkey", "text", "sft"),

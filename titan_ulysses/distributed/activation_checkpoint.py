@@ -6,7 +6,8 @@
   so backward neither redoes an all-to-all, context parallelism's K/V all-gather, nor an
   attention forward. (What the policy sees are aten and functional-collective ops; the
   attention inputs must be plain tensors -- ``SDPAAttention.causal_lower_right`` builds its
-  lower-right causal mask from ints for that reason, see ``ops/attention.py``.)
+  lower-right causal mask from ints for that reason, see ``ops/attention/sdpa.py``.) The
+  attention kernels kept are those the backends name in ``ops/attention/registry.py``.
 * ``full_offload``: ``full``, and the one tensor each block still keeps (its input,
   ``[B, S/sp, D]``) goes to pinned host memory until backward needs it, the copies
   overlapped with compute on CUDA: see ``activation_offload.py``.
@@ -21,19 +22,16 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from titan_ulysses.ops.attention import save_ops as attention_save_ops
 from titan_ulysses.ops.tiled import tiled_forward_running
 
 AC_MODES = ("none", "full", "selective", "full_offload")
 
 
-# Ops whose outputs selective AC keeps; looked up by name, since the set of attention
-# kernels differs between PyTorch builds.
+# Ops whose outputs selective AC keeps besides the attention backends' (registry.save_ops);
+# looked up by name, since the set differs between PyTorch builds.
 _SAVE_OPS = (
     "aten.mm",
-    "aten._scaled_dot_product_flash_attention",
-    "aten._scaled_dot_product_efficient_attention",
-    "aten._scaled_dot_product_cudnn_attention",
-    "aten._scaled_dot_product_flash_attention_for_cpu",
     "_c10d_functional.all_to_all_single",
     "_c10d_functional.all_gather_into_tensor",  # context parallelism's K/V
     "_c10d_functional.reduce_scatter_tensor",
@@ -41,15 +39,12 @@ _SAVE_OPS = (
 
 
 def _save_list() -> set:
-    ops = set()
+    ops = attention_save_ops()
     for name in _SAVE_OPS:
         namespace, op = name.split(".")
         packet = getattr(getattr(torch.ops, namespace), op, None)
         if packet is not None:
             ops.add(packet.default)
-    flex = getattr(torch.ops.higher_order, "flex_attention", None)
-    if flex is not None:
-        ops.add(flex)
     return ops
 
 

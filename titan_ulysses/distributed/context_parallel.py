@@ -51,13 +51,14 @@ first rank's almost none. ``data.sharding.load_balanced_order`` cuts the sequenc
 chunks and gives rank r chunks r and 2cp-1-r, which evens out the unmasked (q, k) pairs
 (``tests/test_context_parallel.py`` counts them). The mask below is built from that order.
 
-Backends: only ``sdpa`` is implemented (causal: two ``causal_lower_right`` calls; documents:
-the explicit dense mask). ``flex`` would need a BlockMask whose mask_mod maps local
-query and gathered key indices to global ones through the same order (blocks of the two
-chunks stay mostly full or empty, so it stays sparse); ``flash_attn`` would need a
-``causal_lower_right`` method (``flash_attn_func(causal=True)`` aligns bottom-right when the
-query is shorter than the keys, as torchtitan / Llama 3 use it) and cu_seqlens for documents.
-Other backends are refused at construction with that explanation.
+Backends (``ops/attention/registry.py`` says which run under cp): a backend with
+``causal_lower_right`` (sdpa, flash_attn) attends each chunk to the keys it may see -- the
+prefix up to the chunk's end, from the window's start with ``window``, and with packed
+documents one call per document segment of the chunks (``ops/attention/per_document.py``,
+one custom op that compiled blocks do not retrace), or sdpa's dense mask indexed by global
+indices at small lengths. A backend with
+``block_mask_for`` (flex) gets one BlockMask over the local queries' and the gathered keys'
+global indices, built from block-level ranges (never dense) and cached in the step's mask.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_ulysses.data.sharding import load_balanced_order
 from titan_ulysses.distributed.ulysses import UlyssesAttention
-from titan_ulysses.ops.attention import SDPAAttention
+from titan_ulysses.ops.attention import DocumentMask, get_backend
+from titan_ulysses.ops.attention.masks import visible
+from titan_ulysses.ops.attention.per_document import attention_per_document
 
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
@@ -81,70 +84,82 @@ def all_gather_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return gathered.reshape(cp, b, l, h, d).permute(1, 0, 2, 3, 4).reshape(b, cp * l, h, d)
 
 
-def cp_mask(attention_mask, cp_rank: int, cp: int, local_len: int, device) -> torch.Tensor:
+def cp_mask(attention_mask, cp_rank: int, cp: int, local_len: int, device, window: int = 0) -> torch.Tensor:
     """The boolean mask ``[B or 1, 1, local_len, cp*local_len]`` of this cp rank's queries against
-    the gathered keys: causal by global index, and within documents when ``attention_mask`` (the
-    sdpa ``[B, 1, S, S]`` mask of the padded sequence in natural order) is given."""
+    the gathered keys: causal (and windowed) by global index, and within documents when
+    ``attention_mask`` (sdpa's mask of the padded sequence, with its dense ``[B, 1, S, S]``) is given."""
     order = load_balanced_order(cp * local_len, cp, device)  # global index of every gathered key
     q_index = order.view(cp, local_len)[cp_rank]
+    band = visible(q_index, order, window)[None, None]
     if attention_mask is None:
-        return (q_index[:, None] >= order[None, :])[None, None]
-    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
-            and attention_mask.shape[-2:] == (cp * local_len, cp * local_len)):
+        return band
+    dense = attention_mask.dense if isinstance(attention_mask, DocumentMask) else None
+    if dense is None or dense.shape[-2:] != (cp * local_len, cp * local_len):
         raise ValueError(
-            "context parallelism needs the sdpa document mask of the full padded sequence "
-            f"([B, 1, {cp * local_len}, {cp * local_len}] bool, from ops.attention.build_attention_mask), got "
-            f"{type(attention_mask).__name__} {tuple(getattr(attention_mask, 'shape', ()))}"
+            "cp_mask needs sdpa's dense document mask of the full padded sequence "
+            f"([B, 1, {cp * local_len}, {cp * local_len}], ops.attention.build_attention_mask at a small length)"
         )
-    return attention_mask[:, :, q_index][:, :, :, order]
+    return dense[:, :, q_index][:, :, :, order] & band
 
 
 class ContextParallelAttention(nn.Module):
-    """Wraps a local attention ``fn(q, k, v, attention_mask=None, ...)``: gathers K/V over cp.
+    """Wraps a local attention ``fn(q, k, v, attention_mask=None, *, scale, window, softcap)``: gathers K/V over cp.
 
     Inputs ``q: [B, S/cp, Hq, D]``, ``k, v: [B, S/cp, Hkv, D]`` -- this cp rank's slice in the
     load-balanced order (after Ulysses' exchange when sp > 1, which wraps this module).
-    ``attention_mask`` is None (causal) or the sdpa mask of the full padded sequence.
+    ``attention_mask`` is None (causal) or the backend's mask of the full padded sequence.
     """
 
-    def __init__(self, local_attention: nn.Module, cp_mesh: DeviceMesh):
+    def __init__(self, local_attention: nn.Module, cp_mesh: DeviceMesh, backend: str | None = None):
         super().__init__()
         if cp_mesh.ndim != 1:
             raise ValueError(f"ContextParallelAttention needs a 1-D cp mesh, got {cp_mesh.ndim} dims")
-        if not isinstance(local_attention, SDPAAttention):
+        if backend is not None and not get_backend(backend).cp:
+            raise NotImplementedError(f"context_parallel_degree > 1 is not implemented for attn_backend {backend!r}")
+        if not (hasattr(local_attention, "causal_lower_right") or hasattr(local_attention, "block_mask_for")):
             raise NotImplementedError(
-                f"context_parallel_degree > 1 is implemented for attn_backend 'sdpa' only, not "
-                f"{type(local_attention).__name__}: it needs a mask of the load-balanced query order against "
-                f"all gathered keys (flex: a BlockMask over those indices; flash_attn: one causal call per "
-                f"chunk); use model.attn_backend 'sdpa'"
+                f"context_parallel_degree > 1 needs a local attention with causal_lower_right or block_mask_for, "
+                f"not {type(local_attention).__name__}; use model.attn_backend 'sdpa', 'flex' or 'flash_attn'"
             )
         self.local_attention = local_attention
         self.cp = cp_mesh.size()
         self.cp_rank = cp_mesh.get_local_rank()
         self.group = cp_mesh.get_group()
 
-    def forward(self, q, k, v, attention_mask=None, *args, **kwargs):
+    def forward(self, q, k, v, attention_mask=None, *, scale=None, window=0, softcap=0.0):
+        kw = dict(scale=scale, window=window, softcap=softcap)
         if self.cp == 1:
-            return self.local_attention(q, k, v, attention_mask, *args, **kwargs)
+            return self.local_attention(q, k, v, attention_mask, **kw)
         local_len, hkv = k.shape[1], k.shape[2]
         kv = all_gather_seq(torch.cat([k, v], dim=2), self.group, self.cp)  # [B, S, 2 Hkv, D], cp ranks' order
-        if attention_mask is not None:  # documents: one call, dense mask by global indices
-            k, v = kv.split(hkv, dim=2)
-            mask = cp_mask(attention_mask, self.cp_rank, self.cp, local_len, q.device)
-            return self.local_attention(q, k, v, mask, *args, **kwargs)
-        # causal: keys back in sequence order; my head chunk r and tail chunk 2cp-1-r each see
-        # the prefix that ends with them, the causal diagonal aligned bottom-right
         order = load_balanced_order(self.cp * local_len, self.cp, q.device)
+        if hasattr(self.local_attention, "block_mask_for"):  # flex: one call, a BlockMask by global indices
+            k, v = kv.split(hkv, dim=2)
+            q_index = order.view(self.cp, local_len)[self.cp_rank]
+            mask = self.local_attention.block_mask_for(attention_mask, q_index, order, window)
+            return self.local_attention.attend(q, k, v, mask, scale=scale, softcap=softcap)
+        if isinstance(attention_mask, DocumentMask) and attention_mask.dense is not None:
+            k, v = kv.split(hkv, dim=2)  # small lengths: one call, the dense mask by global indices
+            mask = cp_mask(attention_mask, self.cp_rank, self.cp, local_len, q.device, window)
+            return self.local_attention(q, k, v, mask, scale=scale, softcap=softcap)
+        # keys back in sequence order; my head chunk r and tail chunk 2cp-1-r each see the keys
+        # up to their end (from the window's start), the causal diagonal aligned bottom-right
         kv = kv.index_select(1, torch.argsort(order))
         k, v = kv.split(hkv, dim=2)
         chunk = local_len // 2
-        outs = []
-        for i, c in enumerate((self.cp_rank, 2 * self.cp - 1 - self.cp_rank)):
-            end = (c + 1) * chunk
-            outs.append(self.local_attention.causal_lower_right(  # [B, S/2cp, Hq, D]
-                q[:, i * chunk:(i + 1) * chunk], k[:, :end], v[:, :end], *args, **kwargs
-            ))
-        return torch.cat(outs, dim=1)
+        if attention_mask is None:
+            outs = []
+            for i, c in enumerate((self.cp_rank, 2 * self.cp - 1 - self.cp_rank)):
+                start, end = c * chunk, (c + 1) * chunk
+                ks = max(0, start - window + 1) if window > 0 else 0
+                outs.append(self.local_attention.causal_lower_right(
+                    q[:, i * chunk:(i + 1) * chunk], k[:, ks:end], v[:, ks:end], **kw))
+            return torch.cat(outs, dim=1)  # [B, S/cp, Hq, D]
+        # packed documents: one lower-right call per document segment of each chunk, in one op
+        q_index = load_balanced_order(self.cp * local_len, self.cp, "cpu").view(self.cp, local_len)[self.cp_rank]
+        local = self.local_attention
+        return attention_per_document(q, k, v, attention_mask.document_ids, q_index, scale or 0.0, window, softcap,
+                                      local.backend_name, getattr(local, "sdpa_backends", "auto"))
 
     def extra_repr(self) -> str:
         return f"cp={self.cp}, cp_rank={self.cp_rank}"

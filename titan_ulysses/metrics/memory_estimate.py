@@ -95,8 +95,9 @@ the chunk, ``(2cp + 1) / 2cp`` of the sequence together: ``a r kv (2cp + 1)`` pe
 bf16 (the flash kernel takes GQA), ``a q (2cp + 1)`` in fp32 (expanded to the q heads), kept for
 backward (recomputed under full AC; selective AC keeps the all-gathered K/V they are cut
 from instead, ``2 a cp r kv``); the attention working set grows by their gradients.
-Parameters shard over dp_shard x cp x sp. Not modelled: the dense boolean mask of packed
-documents (``S x S / cp`` bytes per layer with cp; ``B x S x S`` for any sdpa document mask).
+Parameters shard over dp_shard x cp x sp. Not modelled: packed documents' masks (none is
+``[S, S]`` above 16M elements: ``ops/attention/registry.py``; sdpa's per-document op keeps only
+q, k, v and recomputes the segments in backward, the same terms as above).
 """
 
 from __future__ import annotations

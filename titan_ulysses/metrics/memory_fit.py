@@ -13,6 +13,7 @@ from titan_ulysses.config.manager import resolved_global_batch_size
 from titan_ulysses.distributed.heads import is_even
 from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
 from titan_ulysses.models.resolve import model_args
+from titan_ulysses.ops.attention import get_backend
 
 BUDGET = 0.9  # of the device: the rest is the CUDA context, NCCL buffers, fragmentation
 
@@ -50,10 +51,9 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
     two splits follow: the largest even Ulysses degree combined with context_parallel_degree
     n / sp (every rank does the same attention work), then Ulysses over n ranks with uneven
     head counts (the busiest rank sets the pace, but any backend and document mask works).
-    Context parallelism runs on ``model.attn_backend`` sdpa only (``distributed/context_parallel.py``):
-    with another backend (``attn_backend``) the uneven split comes first, and a split
-    with cp > 1 comes after every split that keeps the backend, its overrides naming
-    ``--model.attn_backend sdpa``.
+    A backend that does not run under context parallelism (the attention registry's ``cp``;
+    every registered one does today) takes the uneven split first, and a split with cp > 1
+    comes after every split that keeps the backend, its overrides naming ``--model.attn_backend sdpa``.
     FSDP CPU offload (the last switch) moves every parameter over PCIe each step, which
     costs far more than a larger degree inside a node or the backend change: it is tried
     only when nothing fits without it.
@@ -73,7 +73,7 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
         cp = n // sp
         hybrid = [] if seq_len % (sp if cp == 1 else 2 * cp * sp) else [(sp, cp, flags_for(sp, cp))]
         uneven = [(n, 1, flags_for(n, 1))] if cp > 1 and n <= hq and seq_len % n == 0 else []
-        if cp == 1 or attn_backend == "sdpa":
+        if cp == 1 or get_backend(attn_backend).cp:  # the attention registry: does it run under cp
             keep += hybrid + uneven
         else:
             keep += uneven

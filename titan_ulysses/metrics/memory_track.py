@@ -146,13 +146,13 @@ def _fake_world(world: int):
 
 @contextlib.contextmanager
 def cuda_kernel_choices():
-    """Let ``ops/attention.py`` choose its kernels as on CUDA (fake tensors run any kernel's meta
+    """Let ``ops/attention/sdpa.py`` choose its kernels as on CUDA (fake tensors run any kernel's meta
     function on any device): cp's lower-right causal attention takes the flash kernel in bf16
     (on CPU it builds a dense ``[Lq, Lk]`` mask and sdpa a bf16 copy of it, 12 GiB per chunk
     at 128K over cp 2), and GQA expands its kv heads for the kernels that need it."""
     from unittest import mock
 
-    from titan_ulysses.ops import attention
+    from titan_ulysses.ops.attention import sdpa as attention
 
     half = (torch.bfloat16, torch.float16)
 

@@ -71,25 +71,20 @@ def build_model(args: LlamaArgs, compute=None) -> nn.Module:
 
 
 def check_compute(args: LlamaArgs, attn_backend: str, sdpa_backends: str = "auto") -> None:
-    """Refuse (ValueError, one line) a backend that cannot compute what the model needs (windows, softcap)."""
-    import inspect
+    """Refuse (ValueError, one line) a backend that cannot compute what the model needs (windows, softcap),
+    by the attention registry's capabilities."""
+    from titan_ulysses.ops.attention import get_backend, registry
 
-    from titan_ulysses.ops.attention import build_attention
-
-    needs = [(kw, what) for kw, what, on in (
+    backend = get_backend(attn_backend)
+    needs = [(cap, what) for cap, what, on in (
         ("window", f"sliding_window {args.sliding_window}", args.sliding_window),
         ("softcap", f"attn_logit_softcapping {getattr(args, 'attn_softcap', 0)}", getattr(args, "attn_softcap", 0)),
     ) if on]
-    if not needs:
-        return
-    try:
-        params = inspect.signature(build_attention(attn_backend, sdpa_backends).forward).parameters
-    except ImportError:  # a backend whose package is missing is refused elsewhere, by name
-        return
-    for kw, what in needs:
-        if kw not in params:
-            raise ValueError(f"model.attn_backend {attn_backend!r} cannot compute {args.family}'s {what} (its "
-                             f"attention takes no {kw}=); use a backend that does")
+    for cap, what in needs:
+        if not getattr(backend, cap):
+            able = [b.name for b in registry.BACKENDS.values() if getattr(b, cap)]
+            raise ValueError(f"model.attn_backend {attn_backend!r} cannot compute {args.family}'s {what}; "
+                             f"use one of {able}")
 
 
 def parallelize_model(model: nn.Module, parallel_dims, options=None) -> nn.Module:

@@ -1,0 +1,209 @@
+"""The ``sdpa`` backend: ``F.scaled_dot_product_attention`` and the order its CUDA kernels are tried in.
+
+On CUDA sdpa dispatches to FlashAttention, cuDNN or memory-efficient kernels, in the order
+:func:`sdpa_priority` gives (``model.sdpa_backends``). Every call is causal; what it adds:
+
+* ``window`` (sliding window) and cp's lower-right calls: queries in blocks of ``BLOCK``, each
+  against only the keys it may see, with an ``[block, block + window]`` mask built from ints;
+* ``softcap``: sdpa has no score hook, so scores are computed explicitly (``_math``), in the
+  same query blocks -- exact, unfused (flex and flash_attn fuse it);
+* packed documents: a dense ``[B, 1, S, S]`` mask only while ``B x S x S`` is at most
+  ``masks.DENSE_MASK_MAX_ELEMENTS``; above, one causal call per document (``per_document.py``,
+  one custom op), each on the unmasked kernels (cuDNN / flash on CUDA) -- no ``[S, S]`` tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from titan_ulysses.ops.attention.masks import DocumentMask, lower_right_mask
+from titan_ulysses.ops.attention.per_document import attention_per_document
+
+BLOCK = 1024
+"""Query block of windowed / softcapped / lower-right calls: masks are [BLOCK, BLOCK + window] at most."""
+
+# SDPA's kernels by the names ``model.sdpa_backends`` takes
+SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def _pytorch_order() -> tuple[str, ...]:
+    """The names above in the order this build of PyTorch tries them by default (a CPU build:
+    flash, efficient, math, cudnn)."""
+    try:
+        default = [SDPBackend(i) for i in torch._C._get_sdp_priority_order()]
+    except (AttributeError, TypeError, ValueError):  # a private call: keep the documented order if it goes
+        return tuple(SDPA_KERNELS)
+    by_kernel = {kernel: name for name, kernel in SDPA_KERNELS.items()}
+    named = [by_kernel[k] for k in default if k in by_kernel]
+    return (*named, *(n for n in SDPA_KERNELS if n not in named))
+
+
+def parse_sdpa_backends(setting: str) -> tuple[str, ...]:
+    """``"auto"`` -> ``()``; ``"cudnn,flash"`` -> ``("cudnn", "flash")``; anything else raises
+    a ValueError that names the setting."""
+    if setting == "auto":
+        return ()
+    names = tuple(n.strip() for n in setting.split(","))
+    wrong = [n for n in names if n not in SDPA_KERNELS]
+    if wrong or len(set(names)) != len(names):
+        what = f"{wrong[0]!r} is not a kernel" if wrong else "a kernel is named twice"
+        raise ValueError(f"model.sdpa_backends {setting!r}: {what}; use 'auto' or a comma-separated priority "
+                         f"order of {', '.join(SDPA_KERNELS)} (e.g. 'cudnn,flash')")
+    return names
+
+
+def sdpa_priority(setting: str, masked: bool = False) -> tuple[str, ...]:
+    """The order in which SDPA tries its kernels for ``model.sdpa_backends`` on this machine, for
+    plain causal calls or, with ``masked``, calls with a dense (document) mask.
+
+    ``()`` keeps PyTorch's (:func:`_pytorch_order`). ``"auto"`` on CUDA:
+
+    * causal: cuDNN first on Hopper (compute capability 9.x), where its causal fwd+bwd ran at
+      1.8x FlashAttention's rate on an H200 at 32K-128K tokens (``docs/benchmarks.md``; others
+      measured it slower on Ampere and Blackwell); PyTorch's order elsewhere.
+    * masked: the memory-efficient kernel first (FlashAttention takes no mask), not cuDNN,
+      whose backward with an explicit mask returns NaN in dq for some lengths from torch 2.11
+      on (pytorch/pytorch#196678); with is_causal and no mask it is clean.
+
+    A list applies to both and is a preference, not a restriction: the kernels it leaves out
+    follow in PyTorch's order, so that a shape the named kernels cannot take still runs.
+    """
+    names = parse_sdpa_backends(setting)
+    if setting == "auto" and torch.cuda.is_available():
+        hopper = torch.cuda.get_device_capability()[0] == 9
+        names = ("efficient",) if masked else (("cudnn",) if hopper else ())
+    return (*names, *(n for n in _pytorch_order() if n not in names)) if names else ()
+
+
+def _cuda_needs_kv_expanded(q, k, dense_mask: bool) -> bool:
+    """On CUDA only the flash kernel takes GQA (enable_gqa) natively; with a mask or in fp32 the
+    memory-efficient / cuDNN kernels need as many kv heads as q heads, and without them SDPA
+    falls back to the math kernel, which materialises [B, H, S, S] scores (seen on an H200).
+    CPU kernels take enable_gqa as they are."""
+    return q.shape[2] != k.shape[2] and q.is_cuda and (dense_mask or q.dtype not in (torch.bfloat16, torch.float16))
+
+
+def _expand_kv(q, k, v):
+    """``k, v: [B, S, Hkv, D] -> [B, S, Hq, D]`` (kv head j serves q heads j*rep ... j*rep+rep-1)."""
+    return (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
+
+
+def _flash_lower_right(q) -> bool:
+    """Whether the lower-right causal path below runs PyTorch's flash kernel for ``q: [B, H, L, D]``.
+
+    Decided from dtype, device and head size alone (the flash kernel's limits, on the Ampere
+    or newer GPUs this project targets): ``torch.backends.cuda.can_use_flash_attention`` needs
+    an ``SDPAParams``, which dynamo cannot build under ``fullgraph=True``.
+    """
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+
+
+class SDPAAttention(nn.Module):
+    def __init__(self, sdpa_backends: str = "auto"):
+        super().__init__()
+        # kernel orders for calls without and with a mask, resolved for this machine; empty: PyTorch's
+        self.orders = {m: [SDPA_KERNELS[n] for n in sdpa_priority(sdpa_backends, m)] for m in (False, True)}
+        self.sdpa_backends = sdpa_backends
+
+    backend_name = "sdpa"
+
+    def _kernels(self, masked: bool):
+        order = self.orders[masked]
+        return sdpa_kernel(order, set_priority=True) if order else contextlib.nullcontext()
+
+    def forward(self, q, k, v, attention_mask=None, *, scale=None, window=0, softcap=0.0):
+        """``q: [B, S, Hq, D]``, ``k, v: [B, S, Hkv, D]`` -> ``[B, S, Hq, D]``, causal; see the module."""
+        if attention_mask is None:
+            return self.causal_lower_right(q, k, v, scale=scale, window=window, softcap=softcap)
+        if isinstance(attention_mask, DocumentMask):
+            if attention_mask.dense is None:
+                index = torch.arange(q.shape[1], device="cpu")  # [S]: every query, in order
+                return attention_per_document(q, k, v, attention_mask.document_ids, index, scale or 0.0, window,
+                                              softcap, "sdpa", self.sdpa_backends)
+            mask = attention_mask.dense
+            if window > 0:  # [B, 1, S, S] & [S, S]
+                mask = mask & lower_right_mask(q.shape[1], k.shape[1], window, q.device)
+            return self._masked(q, k, v, mask, scale, softcap)
+        if window > 0:  # an explicit mask (cp's dense path, tests) already says what is visible
+            raise ValueError("SDPAAttention: pass the window inside an explicit boolean mask, not beside it")
+        return self._masked(q, k, v, attention_mask, scale, softcap)
+
+    def _masked(self, q, k, v, mask, scale, softcap):
+        """Attention under an explicit boolean mask (``[Lq, Lk]`` or ``[B, 1, Lq, Lk]``)."""
+        if softcap > 0:
+            return _math(q, k, v, mask, scale, softcap)
+        gqa = q.shape[2] != k.shape[2]
+        if _cuda_needs_kv_expanded(q, k, True):
+            k, v = _expand_kv(q, k, v)
+            gqa = False
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+        with self._kernels(True):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2)  # [B, S, H, D]
+
+    def _causal(self, q, k, v, scale):
+        """Square causal attention, no mask: cuDNN / flash on CUDA."""
+        gqa = q.shape[2] != k.shape[2]
+        if _cuda_needs_kv_expanded(q, k, False):
+            k, v = _expand_kv(q, k, v)
+            gqa = False
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+        with self._kernels(False):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2)  # [B, S, H, D]
+
+    def causal_lower_right(self, q, k, v, *, scale=None, window=0, softcap=0.0):
+        """Causal attention of the last ``Lq`` tokens of an ``Lk``-token prefix, the diagonal aligned bottom-right.
+
+        ``q: [B, Lq, Hq, D]``, ``k, v: [B, Lk, Hkv, D]`` with ``Lq <= Lk``: query ``i`` sees keys
+        ``0 .. i + Lk - Lq`` (and, with ``window``, only the last ``window`` of them). Context
+        parallelism calls it for each chunk of a rank's queries against the gathered keys up
+        to the chunk's end (``distributed/context_parallel.py``), packed documents per document.
+
+        Plain tensors and ints only, so that selective activation checkpointing and
+        ``torch.compile(fullgraph=True)`` take it (``torch.nn.attention.bias.causal_lower_right``
+        does neither: its ``CausalBias`` is a tensor subclass built through the legacy
+        constructor, which dynamo refuses and which fails under a dispatch mode -- and it
+        allocates an uninitialised ``[2, Lq, Lk]`` fp32 tensor on every call).
+
+        * square, no window, no softcap: sdpa's causal call (cuDNN / flash on CUDA);
+        * CUDA, bf16/fp16, head size a multiple of 8 up to 256, no window or softcap: PyTorch's
+          flash kernel, no mask. Its ``is_causal`` aligns the diagonal bottom-right when
+          ``Lq != Lk`` (FlashAttention 2's convention); sdpa's front end refuses flash for
+          non-square causal attention, so the aten op is called directly, as ``CausalBias``
+          does. It takes GQA as is.
+        * elsewhere: queries in blocks of ``BLOCK``, each against the keys it may see with an
+          explicit boolean mask built from the lengths (``[block, block + window]`` with a window).
+        """
+        lq, lk = q.shape[1], k.shape[1]
+        plain = softcap == 0 and (window <= 0 or window >= lk)
+        if plain and lq == lk:
+            return self._causal(q, k, v, scale)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
+        if plain and _flash_lower_right(qt):
+            out = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True, False, scale=scale)[0]
+            return out.transpose(1, 2)  # [B, Lq, Hq, D]
+        off, outs = lk - lq, []
+        for a in range(0, lq, BLOCK):
+            b = min(a + BLOCK, lq)
+            ks, ke = (max(0, a + off - window + 1) if window > 0 else 0), b + off
+            mask = lower_right_mask(b - a, ke - ks, window, q.device)  # [block, keys it may see]
+            outs.append(self._masked(q[:, a:b], k[:, ks:ke], v[:, ks:ke], mask, scale, softcap))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _math(q, k, v, mask, scale, softcap):
+    """Explicit attention with Gemma 2's score capping ``softcap * tanh(s / softcap)`` under ``mask``."""
+    if q.shape[2] != k.shape[2]:
+        k, v = _expand_kv(q, k, v)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
+    scores = (qt @ kt.transpose(-1, -2)).float() * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = softcap * torch.tanh(scores / softcap)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # [B, H, Lq, Lk]
+    return (probs.to(vt.dtype) @ vt).transpose(1, 2)  # [B, Lq, Hq, D]
