@@ -7,9 +7,8 @@ dp_shard=2 x sp=2 and cp=2 x sp=2, all in one 4-rank launch. Weights are random 
 the init (tests/hf_fixtures.py) so that a wrong permutation, split or RoPE setting moves the
 logits far beyond the tolerance.
 
-The window is checked through the model and Ulysses with a dense reference attention in
-place of the backend (this branch's backends have no window yet; the backends' own windows
-are tested where they are implemented). cp with a window is left to that work too.
+Windows (Mistral, Gemma's local layers) and Gemma 2's softcap run on the sdpa backend itself
+(ops/attention/), under Ulysses and under cp at the global positions of its chunks.
 """
 
 import os
@@ -18,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from dist_utils import assert_close, run_distributed
 from hf_fixtures import FAMILY_VARIANTS, make_hf_model
@@ -36,23 +34,6 @@ from titan_ulysses.ops.loss import cross_entropy_sum
 pytest.importorskip("transformers")
 SEQ, BATCH = 24, 4
 LAYOUTS = [dict(dp_replicate=2, sp=2), dict(dp_shard=2, sp=2), dict(cp=2, sp=2)]
-
-
-class WindowReference(nn.Module):
-    """Dense causal attention with Hugging Face's window (query i sees keys i-W < j <= i); tests only."""
-
-    def forward(self, q, k, v, attention_mask=None, *, scale=None, window=0, softcap=0.0):
-        assert attention_mask is None
-        s = q.shape[1]
-        i, j = torch.arange(s)[:, None], torch.arange(s)[None]
-        allowed = (j <= i) & ((j > i - window) if window else True)  # [S, S]
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D]
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)  # [B, H, S, S]
-        if softcap:  # Gemma 2: before the mask
-            scores = softcap * torch.tanh(scores / softcap)
-        return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(1, 2)
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +76,9 @@ def _families_match(folders: dict) -> None:
         dp, dp_rank = pd.get_mesh("dp").size(), pd.get_mesh("dp").get_local_rank()
         for name, folder in folders.items():
             args = load_hf_args(folder)
-            if (args.sliding_window or getattr(args, "attn_softcap", 0)) and pd.cp > 1:
-                continue  # cp windows: the attention backends' work (module docstring)
             what = f"{name} {layout}"
             with torch.device("meta"):
                 model = build_model(args)
-            if args.sliding_window or getattr(args, "attn_softcap", 0):  # every layer (global ones: window 0)
-                for block in model.layers.values():
-                    block.attention.inner_attention = WindowReference()
             parallelize_model(model, pd, ParallelizeOptions(param_dtype=torch.float32))
             model.to_empty(device="cpu")
             model.init_buffers()
