@@ -13,6 +13,7 @@ from titan_ulysses.distributed.context_parallel import apply_cp
 from titan_ulysses.distributed.float8 import Float8Options, apply_float8
 from titan_ulysses.distributed.fsdp import apply_fsdp
 from titan_ulysses.distributed.parallel_dims import ParallelDims
+from titan_ulysses.distributed.staged_attention import apply_head_stages, check_head_stages
 from titan_ulysses.distributed.tensor_parallel import apply_tp
 from titan_ulysses.distributed.ulysses import apply_ulysses, check_heads
 from titan_ulysses.models.llama.model import Transformer
@@ -32,6 +33,8 @@ class ParallelizeOptions:
     """FSDP2 CPU offload of sharded parameters, gradients and optimizer state."""
     float8: Float8Options | None = None
     """float8 linear layers through torchao (None: off)."""
+    ulysses_head_stages: int = 1
+    """Attention in this many stages of head groups (``distributed/staged_attention.py``); 1 = off."""
 
 
 def parallelize_llama(
@@ -44,6 +47,7 @@ def parallelize_llama(
     options = options or ParallelizeOptions()
     args = model.args
     check_heads(args.n_heads, args.n_kv_heads, parallel_dims.sp, parallel_dims.tp, parallel_dims.cp)
+    check_head_stages(options.ulysses_head_stages, args.n_heads, args.n_kv_heads, parallel_dims.sp, parallel_dims.tp)
     if options.float8 is not None:
         apply_float8(model, options.float8)
     if parallel_dims.tp_enabled:
@@ -52,6 +56,7 @@ def parallelize_llama(
         apply_cp(model, parallel_dims.get_mesh("cp"))
     if parallel_dims.sp_enabled:
         apply_ulysses(model, parallel_dims.get_mesh("sp"))
+    apply_head_stages(model, options.ulysses_head_stages)  # after Ulysses (uses its group), before AC
     apply_ac(model, options.ac_mode)
     if options.compile:
         apply_compile(model)
