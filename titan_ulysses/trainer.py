@@ -163,6 +163,7 @@ class Trainer:
             reduce_dtype=DTYPES[t.mixed_precision_reduce],
             cpu_offload=t.enable_cpu_offload,
             float8=float8_options(config),
+            ulysses_head_stages=config.parallelism.ulysses_head_stages,
         )
         self.float8 = options.float8
         self.model = parallelize_llama(model, pd, options)

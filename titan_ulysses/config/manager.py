@@ -20,6 +20,7 @@ from titan_ulysses.config.ranges import check_ranges
 from titan_ulysses.data.sharding import check_seq_len
 from titan_ulysses.distributed.float8 import Float8Options, check_float8
 from titan_ulysses.distributed.parallel_dims import ParallelDims
+from titan_ulysses.distributed.staged_attention import check_head_stages
 from titan_ulysses.distributed.ulysses import check_heads
 from titan_ulysses.models.hf_config import load_hf_args
 from titan_ulysses.models.llama.args import get_flavor
@@ -160,6 +161,10 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp, dims.cp)
     except ValueError as e:
         raise ConfigError(f"parallelism.ulysses_degree / tensor_parallel_degree: {e} ({source})") from e
+    try:
+        check_head_stages(p.ulysses_head_stages, args.n_heads, args.n_kv_heads, dims.sp, dims.tp)
+    except ValueError as e:
+        raise ConfigError(f"{e} ({source})") from e
     try:
         check_seq_len(t.seq_len, dims.sp, dims.cp)
     except ValueError as e:

@@ -37,6 +37,7 @@ def from_config(config, dims):
         mlp_tile_size=args.mlp_tile_size, cpu_offload=t.enable_cpu_offload,
         act_bytes=2 if t.mixed_precision_param == "bfloat16" else 4,
         microbatches=resolved_global_batch_size(config, dp) // (t.local_batch_size * dp),
+        head_stages=config.parallelism.ulysses_head_stages,
     )
     return args, Layout(dp_shard=dims.size("dp_shard"), sp=dims.sp, tp=dims.tp, cp=dims.cp), switches
 
