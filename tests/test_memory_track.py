@@ -58,6 +58,28 @@ def test_estimate_matches_the_tracked_step(case):
     assert -0.01 < (est.total - peak) / peak < 0.04, (est.total / 2**30, peak / 2**30)
 
 
-def test_tracker_refuses_host_offload():
-    with pytest.raises(ValueError, match="host from device"):
-        track_step(get_flavor("debugmodel", n_layers=1), Layout(), Switches(cpu_offload=True), 64)
+def test_offloaded_block_inputs_and_fsdp_cpu_offload_are_host_memory():
+    """full_offload's block inputs and FSDP CPU offload's shards and optimizer state land on the host side."""
+    args = get_flavor("debugmodel", n_layers=3, dim=256, n_heads=8, n_kv_heads=2, ffn_hidden_dim=512, vocab_size=1024)
+    seq, layout = 4096, Layout(sp=2)
+    full = track_step(args, layout, Switches(ac_mode="full"), seq)
+    off = track_step(args, layout, Switches(ac_mode="full_offload"), seq)
+    inputs = args.n_layers * 2 * args.dim * seq // layout.sp  # every block's bf16 input, [S/sp, D]
+    assert full.host_peak == 0 and off.host_peak == inputs
+    assert full.phases["forward"].peak - off.phases["forward"].peak >= inputs - 2 * args.dim * seq // layout.sp
+    cpu = track_step(args, layout, Switches(ac_mode="full", cpu_offload=True), seq)
+    states = 16 * args.num_params() // layout.sp  # fp32 parameters, gradients and two AdamW states, sharded
+    assert abs(cpu.host_peak - states) < 0.01 * states, (cpu.host_peak, states)
+    assert cpu.phases["optimizer step"].peak < 0.01 * full.phases["optimizer step"].peak
+
+
+def test_layer_extrapolation_is_exact():
+    """Tracked at 3 and 4 layers and extrapolated, a 6-layer step equals the 6 layers tracked, to the byte."""
+    args = get_flavor("8B", n_layers=6, dim=512, n_heads=8, n_kv_heads=2, ffn_hidden_dim=1024, vocab_size=4096)
+    switches = Switches(ac_mode="full_offload", loss_chunk_size=1024, mlp_tile_size=1024, head_stages=2)
+    fast = track_step(args, Layout(sp=2), switches, 8192)
+    direct = track_step(args, Layout(sp=2), switches, 8192, extrapolate=False)
+    assert {n: p.peak for n, p in fast.phases.items() if n in direct.phases} == \
+        {n: p.peak for n, p in direct.phases.items() if n in fast.phases}
+    assert fast.summary()["layer backward"].peak == direct.summary()["layer backward"].peak
+    assert (fast.peak, fast.host_peak) == (direct.peak, direct.host_peak)
