@@ -225,7 +225,7 @@ def stage_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> tuple
         local = a * (nq + 2 * nkv) * dh  # the projections' outputs before the exchange
         attention = a * (hq + 2 * hkv_held) * dh + a * hq * dh + 4 * hq
         wo_input = a * nq * dh if layout.sp > 1 else 0
-        held = max(held, local + attention + wo_input + a * args.dim)
+        held = max(held, local + attention + wo_input + a * args.dim)  # + its share of the layer output
         ws = max(ws, 3 * a * (hq + 2 * hkv_held) * dh)
     return held, ws
 
