@@ -89,6 +89,14 @@ fewer fp32 temporaries: compiled steps need less). ``scripts/estimate_memory.py
 --validate`` compares the estimate with a measured step on CUDA, ``--track`` with the CPU
 tracker.
 
+Head-staged attention (``Switches.head_stages`` > 1, ``distributed/staged_attention.py``): a layer
+keeps no attention tensor and no output-projection input past its backward (each stage is its
+own checkpoint, keeping only the norm's output, counted above); its backward holds one stage at
+a time: the stage's projected q/k/v, exchanged buffer, output, logsumexp, returned output and its
+share of the layer output, beside that stage's attention working set
+(``stage_bytes_per_token``). Against the tracker: +3.1% at the 8B's 6M tokens over sp=8 (the
+peak); a layer's backward 3.3% under at 256K (not the peak there; ``tests/test_memory_track.py``).
+
 Context parallelism (cp > 1, ``distributed/context_parallel.py``) adds, per layer, the keys and
 values each of a rank's two chunks attends to: the prefixes of the gathered K/V that end with
 the chunk, ``(2cp + 1) / 2cp`` of the sequence together: ``a r kv (2cp + 1)`` per local token in

@@ -14,7 +14,7 @@ backward with the root's reduce-scatter, clipping, the optimizer step).
 
 What it mirrors: ``Trainer.train_step`` (which cannot run under fake tensors: it reads the
 loss with ``.item()``), the fused AdamW the trainer builds on CUDA, the bf16/fp32 mixed
-precision of FSDP, Ulysses, cp, tp and every AC mode but ``full_offload``.
+precision of FSDP, Ulysses (head-staged too), cp, tp and every AC mode.
 What CPU cannot see (not in the numbers): CUDA kernels' workspaces (cuBLAS, the flash /
 cuDNN attention backward's fp32 dq accumulator and, for GQA, its dk/dv expanded to the q
 heads), NCCL buffers, the caching allocator's rounding and fragmentation, and
