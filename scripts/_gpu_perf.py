@@ -251,6 +251,10 @@ BENCH_CASES = [
     Case("8b_128k_sim8_compile_bf16_selective_sdpa_flash",
          train_cell(os.path.join(CONFIGS, "llama3_8b_128k.toml"), True, "bf16", "selective",
                     [*SIM8, "--model.sdpa_backends", "flash"], 128 * K), 110, 10),
+    # head-staged Ulysses against the full-AC cell above (same step, 4 stages): the stages' cost
+    Case("8b_128k_sim8_compile_bf16_full_stages4",
+         train_cell(os.path.join(CONFIGS, "llama3_8b_128k.toml"), True, "bf16", "full",
+                    [*SIM8, "--parallelism.ulysses_head_stages", "4"], 128 * K), 110, 10),
     *[Case(f"1b_32k_{'compile' if c else 'eager'}_{p}_{ac}",
            train_cell(os.path.join(CONFIGS, "llama3_1b_long.toml"), c, p, ac,
                       ["--parallelism.ulysses_degree", "1"], 32 * K), 60, 10)
@@ -265,4 +269,13 @@ LIMIT_CASES = [
                                        (512 * K, 1024 * K), 1024 * K, "1B shape, one GPU, full_offload"), 300, 20),
     Case("longest_8b_sim_rank8", longest("llama3_8b_128k.toml", SIM8, (512 * K, 1024 * K), 3_700_000,
                                          "Llama-3-8B, simulated rank of sp=8, full_offload"), 120, 20),
+    # the head-staged configs' tracked estimates (docs/benchmarks.md), measured the same way; each
+    # trial's attention grows with the square of the length (the 2M one: about a minute per layer
+    # on an H100 by the 128K cell's rate, with the stages' recompute), four trials each
+    Case("longest_8b_6m_sim_rank8_stages4", longest("llama3_8b_6m.toml", SIM8, (1024 * K, 2048 * K), 6_000_000,
+                                                    "Llama-3-8B, simulated rank of sp=8, 4 head stages"), 360, 20),
+    Case("longest_1b_2m_one_gpu_stages8", longest("llama3_1b_2m_one_gpu.toml", [], (512 * K, 1024 * K), 2_000_000,
+                                                  "1B shape, one GPU, 8 head stages, CPU offload"), 300, 20),
+    Case("longest_8b_1m_one_gpu_stages8", longest("llama3_8b_1m_one_h200.toml", [], (256 * K, 512 * K), 1_200_000,
+                                                  "Llama-3-8B, one GPU (H200), 8 head stages, CPU offload"), 300, 20),
 ]

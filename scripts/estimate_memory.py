@@ -22,8 +22,10 @@ buffers) beside the estimate's phases. It cannot see what only CUDA allocates: k
 workspaces (cuBLAS; flash / cuDNN attention backward's fp32 dq accumulator and, with GQA,
 dk/dv expanded to the q heads), NCCL buffers, the caching allocator's rounding and
 fragmentation, torch.compile's buffers (the step is eager; attention is sdpa, choosing its
-kernels as on CUDA); no FSDP CPU offload or full_offload (host and device are one memory
-there). ``--validate`` runs two real steps and compares: on CUDA the second
+kernels as on CUDA). Host memory is tracked apart from the device's: ``full_offload``'s
+block inputs and, with FSDP CPU offload, the sharded parameters, gradients and optimizer
+state (``memory_track.py`` says how). Models of more than four layers are tracked at three
+and four and extrapolated, exactly (the blocks are identical). ``--validate`` runs two real steps and compares: on CUDA the second
 (steady-state) step's whole peak (``torch.cuda.max_memory_allocated``, one process; in
 fake mode for a world size above 1; measured on an H200, see docs/benchmarks.md); on CPU
 the saved activations, counted through autograd's saved-tensor hooks (single process,
@@ -127,6 +129,7 @@ def track(args, layout, switches, seq_len: int, batch: int, est) -> dict:
         raise SystemExit(f"--track: {e}") from e
     phases = step.summary()
     return {"what": "peak memory (CPU tracker, fake tensors)", "measured": float(step.peak), "phase": step.peak_phase,
+            "host": float(step.host_peak), "estimated_host": est.host_offloaded,
             "estimated": est.total, "estimated_phase": est.peak_phase,
             "error_pct": 100 * (est.total - step.peak) / step.peak,
             "phases": {name: {"tracked": float(p.peak), "estimated": est.phases.get(name), "at": p.name,
@@ -217,8 +220,9 @@ def main(argv=None) -> int:
         print(f"recommended: {' '.join(rec[1])}  ({rec[2].total / GIB:.1f} GiB)")
     if "tracked" in result:
         tr = result["tracked"]
-        print(f"CPU tracker (fake tensors): peak {tr['measured'] / GIB:.2f} GiB in {tr['phase']}; estimate "
-              f"{tr['estimated'] / GIB:.2f} GiB in {tr['estimated_phase']} ({tr['error_pct']:+.1f}%)")
+        print(f"CPU tracker (fake tensors): device peak {tr['measured'] / GIB:.2f} GiB in {tr['phase']}; estimate "
+              f"{tr['estimated'] / GIB:.2f} GiB in {tr['estimated_phase']} ({tr['error_pct']:+.1f}%); host peak "
+              f"{tr['host'] / GIB:.2f} GiB (estimate {tr['estimated_host'] / GIB:.2f} GiB)")
         for name, ph in tr["phases"].items():
             est_text = "" if ph["estimated"] is None else f"  estimated {ph['estimated'] / GIB:8.2f} GiB"
             kinds = ", ".join(f"{k} {v / GIB:.2f}" for k, v in ph["kinds"].items() if v >= GIB / 100)

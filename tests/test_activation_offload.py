@@ -55,6 +55,9 @@ def test_block_inputs_travel_to_host_and_back_one_block_ahead():
     assert [g.loaded for g in groups] == [True] * args.n_layers
     assert [g.prefetched for g in groups] == [True] * (args.n_layers - 1) + [False]
     assert all(e.host is None for g in groups for e in g.entries)  # host buffers released
+    # and the device copies too: the offloader keeps its entries until the next forward, and once
+    # held every block's restored input (the whole stack of them on the device at the optimizer step)
+    assert all(e.restored is None for g in groups for e in g.entries)
     grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in net.named_parameters()}
     for n, p in ref.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=0, atol=0)

@@ -24,6 +24,9 @@ def test_defaults_and_toml_and_overrides(tmp_path):
     ("llama3_8b_128k", 8, {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "sp": 8, "tp": 1}),
     ("llama3_8b_512k", 32, {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "sp": 8, "tp": 1}),
     ("llama3_1b_long", 8, {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "sp": 8, "tp": 1}),
+    ("llama3_8b_6m", 8, {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "sp": 8, "tp": 1}),
+    ("llama3_8b_1m_one_h200", 1, {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "sp": 1, "tp": 1}),
+    ("llama3_1b_2m_one_gpu", 1, {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "sp": 1, "tp": 1}),
 ])
 def test_the_shipped_configs_load_and_validate(name, world, degrees):
     c = load_config(["--config", f"train_configs/{name}.toml"])
@@ -116,3 +119,13 @@ def test_every_numeric_setting_has_a_range():
     fields = set(numeric_fields(load_config([])))
     assert fields - set(RANGES) - EXEMPT == set(), "numeric settings without a range"
     assert set(RANGES) - fields == set(), "ranges of settings that do not exist"
+
+
+def test_head_stages_that_do_not_divide_the_heads_are_refused_before_any_process_group():
+    c = load_config(["--config", "train_configs/llama3_8b_6m.toml", "--parallelism.ulysses_head_stages", "3"])
+    with pytest.raises(ConfigError, match=r"parallelism.ulysses_head_stages 3 does not divide the 4 q heads per rank "
+                                          r"\(32 heads over ulysses_degree 8\); use one of \[1, 2, 4\]"):
+        validate(c, 8)
+    c = load_config(["--config", "train_configs/llama3_8b_6m.toml", "--parallelism.ulysses_head_stages", "0"])
+    with pytest.raises(ConfigError, match=r"parallelism.ulysses_head_stages"):
+        validate(c, 8)

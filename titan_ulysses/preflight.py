@@ -52,6 +52,7 @@ from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
 from titan_ulysses.distributed.float8 import check_float8, float8_options
 from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.distributed.parallel_dims import ParallelDims
+from titan_ulysses.distributed.staged_attention import check_head_stages
 from titan_ulysses.distributed.ulysses import check_heads
 from titan_ulysses.metrics.memory_estimate import GIB, estimate
 from titan_ulysses.metrics.memory_fit import from_config, memory_warning
@@ -89,6 +90,15 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp, dims.cp)
     except ValueError as e:
         raise ConfigError(f"parallelism.ulysses_degree / tensor_parallel_degree: {e} ({source})") from e
+    try:
+        check_head_stages(p.ulysses_head_stages, args.n_heads, args.n_kv_heads, dims.sp, dims.tp)
+    except ValueError as e:
+        raise ConfigError(f"{e} ({source})") from e
+    if p.ulysses_head_stages > 1 and (config.lora.rank > 0 or config.float8.enable):
+        other = "lora.rank > 0" if config.lora.rank > 0 else "float8.enable"
+        raise ConfigError(f"parallelism.ulysses_head_stages {p.ulysses_head_stages} with {other}: the staged "
+                          f"attention slices plain nn.Linear projections per head group only; set "
+                          f"parallelism.ulysses_head_stages 1")
     try:
         check_seq_len(t.seq_len, dims.sp, dims.cp)
     except ValueError as e:

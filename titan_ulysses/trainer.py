@@ -157,6 +157,7 @@ class Trainer:
             cpu_offload=t.enable_cpu_offload,
             float8=float8_options(config),
             lora=lora_options(config.lora),
+            ulysses_head_stages=config.parallelism.ulysses_head_stages,
         )
         self.float8 = options.float8
         self.model = parallelize_model(model, pd, options)

@@ -71,6 +71,10 @@ class Parallelism:
     """Ranks each sequence is split over (Ulysses sequence parallelism)."""
     tensor_parallel_degree: int = 1
     """Ranks heads and MLP columns are split over."""
+    ulysses_head_stages: int = 1
+    """Attention in this many stages of head groups, each projected, exchanged and attended in turn,
+    so one stage's full-sequence q/k/v/out are alive at a time (1 = off; must divide the q heads
+    per Ulysses rank, at most their count where the split is uneven; not with tensor parallelism)."""
 
 
 @dataclass

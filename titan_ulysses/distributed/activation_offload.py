@@ -48,6 +48,7 @@ class _Entry:
     def __init__(self, group: _Group, host: torch.Tensor, device: torch.device):
         self.group, self.host, self.device = group, host, device
         self.restored: torch.Tensor | None = None
+        self.uses = 1  # saved tensors packed as this entry, each unpacked once; the last unpack lets go of it
 
 
 class ActivationOffloader:
@@ -90,6 +91,7 @@ class ActivationOffloader:
         ref, earlier = self._seen.get(key, (None, None))
         if ref is not None and ref() is not None:  # the same live storage was saved before
             if earlier is not None and earlier.group is group:
+                earlier.uses += 1
                 return earlier
             self._seen[key] = (ref, None)  # shared across blocks: one device copy serves them all
             return t
@@ -112,7 +114,11 @@ class ActivationOffloader:
             packed.restored.record_stream(stream)  # allocated on the side stream, used here
         if group.prev is not None and not group.prev.loaded:
             self._load(group.prev, ahead=True)  # travels while this block runs its backward
-        return packed.restored
+        restored = packed.restored
+        packed.uses -= 1
+        if packed.uses == 0:  # the entry outlives the backward (``_seen`` until the next forward): not its copy
+            packed.restored = None
+        return restored
 
     # -- copies ---------------------------------------------------------------------------
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:

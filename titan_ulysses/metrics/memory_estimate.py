@@ -89,6 +89,14 @@ fewer fp32 temporaries: compiled steps need less). ``scripts/estimate_memory.py
 --validate`` compares the estimate with a measured step on CUDA, ``--track`` with the CPU
 tracker.
 
+Head-staged attention (``Switches.head_stages`` > 1, ``distributed/staged_attention.py``): a layer
+keeps no attention tensor and no output-projection input past its backward (each stage is its
+own checkpoint, keeping only the norm's output, counted above); its backward holds one stage at
+a time: the stage's projected q/k/v, exchanged buffer, output, logsumexp, returned output and its
+share of the layer output, beside that stage's attention working set
+(``stage_bytes_per_token``). Against the tracker: +3.1% at the 8B's 6M tokens over sp=8 (the
+peak); a layer's backward 3.3% under at 256K (not the peak there; ``tests/test_memory_track.py``).
+
 Context parallelism (cp > 1, ``distributed/context_parallel.py``) adds, per layer, the keys and
 values each of a rank's two chunks attends to: the prefixes of the gathered K/V that end with
 the chunk, ``(2cp + 1) / 2cp`` of the sequence together: ``a r kv (2cp + 1)`` per local token in
@@ -105,6 +113,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from titan_ulysses.distributed.heads import attended_heads
+from titan_ulysses.distributed.staged_attention import stage_plans
 from titan_ulysses.ops.norm import CHUNK_TOKENS as NORM_CHUNK_TOKENS
 from titan_ulysses.models.llama.args import LlamaArgs
 
@@ -134,6 +143,8 @@ class Switches:
     """LoRA adapters of this rank on every projection of every block (0: full fine-tuning). The
     frozen base is stored sharded in the compute dtype and has no gradient or optimizer state;
     only the adapters (fp32) have both (``distributed/lora.py``)."""
+    head_stages: int = 1
+    """``parallelism.ulysses_head_stages``: attention in this many stages of head groups."""
 
 
 @dataclass
@@ -208,6 +219,30 @@ def _cp_kv_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
     return s.act_bytes * width * (2 * layout.cp + 1)
 
 
+def stage_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> tuple[float, float]:
+    """Head-staged attention (``distributed/staged_attention.py``): (what the largest stage holds, its backward's
+    working set) per local token. A stage keeps nothing past its own backward (it is recomputed there): its
+    projected q/k/v before the exchange, the all-to-all's buffer, the output and logsumexp, the returned output
+    and its projection's share of the layer output; the working set is that of plain attention, for its heads."""
+    a, dh = s.act_bytes, args.head_dim
+    plans = stage_plans(args.n_heads // layout.tp, args.n_kv_heads // layout.tp, layout.sp, s.head_stages)
+    held, ws = 0.0, 0.0
+    for plan in plans:
+        nq = sum(b - e for e, b in ((x, y) for x, y in plan.q))
+        nkv = sum(b - e for e, b in ((x, y) for x, y in plan.kv))
+        busiest = max(range(layout.sp), key=lambda r: plan.q[r][1] - plan.q[r][0])
+        hq = (plan.q[busiest][1] - plan.q[busiest][0]) * layout.sp
+        hkv = (plan.kv[busiest][1] - plan.kv[busiest][0]) * layout.sp
+        expand = plan.kv_index(busiest) is not None or (a == 4 and hq != hkv)
+        hkv_held = hkv + (hq if expand else 0)
+        local = a * (nq + 2 * nkv) * dh  # the projections' outputs before the exchange
+        attention = a * (hq + 2 * hkv_held) * dh + a * hq * dh + 4 * hq
+        wo_input = a * nq * dh if layout.sp > 1 else 0
+        held = max(held, local + attention + wo_input + a * args.dim)  # + its share of the layer output
+        ws = max(ws, 3 * a * (hq + 2 * hkv_held) * dh)
+    return held, ws
+
+
 def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: str = "none") -> float:
     """Bytes one layer keeps for backward per local token under AC ``mode``."""
     d, q, kv, qa, kva_held, kva, f = _widths(args, layout, s.act_bytes == 4)
@@ -217,6 +252,8 @@ def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: st
     # the output projection's input: its own buffer after the return all-to-all; without
     # Ulysses a view of the attention output (kernels write it [B, S, H, Dh]), counted above
     wo_input = a * q if layout.sp > 1 else 0
+    if s.head_stages > 1:  # each stage keeps only its input (the norm's output, counted below) past its backward
+        attention, wo_input = 0, 0
     if layout.cp > 1:  # selective AC keeps the all-gather's output and recomputes the prefixes cut from it
         attention += a * 2 * layout.cp * kva if mode == "selective" else _cp_kv_per_token(args, layout, s)
     rope = a * args.head_dim if a < 4 else 0  # the block's bf16 cos and sin, [T, Dh/2] each
@@ -225,7 +262,8 @@ def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: st
     if mode == "selective":
         # the MLP's matmul outputs (w1, w3, w2), untiled; tiled, nothing (its input is recomputed too)
         mlp = 0 if s.mlp_tile_size else 2 * a * f + a * d
-        return a * (q + 2 * kv) + a * d + mlp + attention + wo_input + a * d + rope
+        qkv = 0 if s.head_stages > 1 else a * (q + 2 * kv)  # staged: the projections run inside each stage
+        return qkv + a * d + mlp + attention + wo_input + a * d + rope
     mlp = a * d + (0 if s.mlp_tile_size else 4 * a * f)
     norms = 2 * (a * d + 4)
     return norms + a * d + attention + wo_input + mlp + rope
@@ -284,6 +322,9 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
         recompute += 2 * a * layout.cp * kva * tokens
     cp_kv = _cp_kv_per_token(args, layout, s) * tokens if layout.cp > 1 else 0.0  # and as much of their gradients
     attention_ws = 3 * a * (qa + 2 * kva_held) * tokens + 2 * cp_kv
+    if s.head_stages > 1:  # one stage at a time: what it holds and its backward's working set
+        stage_held, stage_ws = stage_bytes_per_token(args, layout, s)
+        attention_ws = (stage_held + stage_ws) * tokens + 2 * cp_kv
     if s.mlp_tile_size:  # one tile's recompute and gradients; the MLP weights' gradients summed over tiles
         mlp_ws = 6 * a * f * min(s.mlp_tile_size, tokens) + 2 * a * 3 * d * f
     else:

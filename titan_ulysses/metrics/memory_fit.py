@@ -38,6 +38,7 @@ def from_config(config, dims):
         act_bytes=2 if t.mixed_precision_param == "bfloat16" else 4,
         microbatches=resolved_global_batch_size(config, dp) // (t.local_batch_size * dp),
         lora_rank=config.lora.rank,
+        head_stages=config.parallelism.ulysses_head_stages,
     )
     return args, Layout(dp_shard=dims.size("dp_shard"), sp=dims.sp, tp=dims.tp, cp=dims.cp), switches
 

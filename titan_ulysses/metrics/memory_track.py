@@ -14,13 +14,27 @@ backward with the root's reduce-scatter, clipping, the optimizer step).
 
 What it mirrors: ``Trainer.train_step`` (which cannot run under fake tensors: it reads the
 loss with ``.item()``), the fused AdamW the trainer builds on CUDA, the bf16/fp32 mixed
-precision of FSDP, Ulysses, cp, tp and every AC mode but ``full_offload``.
+precision of FSDP, Ulysses (head-staged too), cp, tp and every AC mode.
 What CPU cannot see (not in the numbers): CUDA kernels' workspaces (cuBLAS, the flash /
 cuDNN attention backward's fp32 dq accumulator and, for GQA, its dk/dv expanded to the q
 heads), NCCL buffers, the caching allocator's rounding and fragmentation, and
 torch.compile's buffers (the step runs eagerly). CPU kernels differ from CUDA ones where
 ``ops/attention.py`` says so (cp's lower-right mask is a dense ``[Lq, Lk]`` boolean on CPU).
-Host and device memory are one here, so FSDP CPU offload and ``full_offload`` are refused.
+Host and device: the step runs on the fake ``cpu`` device, and what goes to host memory is
+put on a fake ``cuda`` device instead (the tracker only needs the two to differ):
+``full_offload``'s block inputs (``activation_offload.py``'s copies, patched here). FSDP
+CPU offload cannot be faked so (FSDP2 needs the device's streams), so the step runs without
+it and counts FSDP's sharded parameters and gradients and the optimizer state as host memory
+(FSDP keeps exactly those on the host; their transient device copies, one block's shard in
+an all-gather or reduce-scatter, are not counted).
+
+Cost: every op is a Python call into the tracker, so the time grows with the layers. A model
+of more than four layers is tracked at three and at four layers and each phase extrapolated
+to ``n_layers``: the blocks are identical, so every term of a phase is a constant or a sum of
+equal per-block terms, and a phase's bytes are affine in the number of blocks for a fixed
+position from the bottom or the top (layer backward is tracked as its two lowest and two
+highest blocks). ``tests/test_memory_track.py`` checks this against tracking all layers, to
+the byte.
 One artefact of the tracker itself: its wrapper of FSDP's post-backward keeps the last
 parameter's unsharded gradient referenced through the reduce-scatter; for the root that is
 the output weight (untied), so in a world of one, where the root's reduce-scatter is the
@@ -55,9 +69,12 @@ class Phase:
 @dataclass
 class StepMemory:
     peak: int
-    """The tracker's peak over the whole step (bytes)."""
+    """The device peak over the whole step (bytes)."""
     phases: dict[str, Phase]
-    """Phase name -> its peak, in the order the step runs them."""
+    """Phase name -> its device peak, in the order the step runs them."""
+    host_peak: int = 0
+    """Host memory at its peak over the step (bytes): full_offload's block inputs; with FSDP CPU offload,
+    the sharded parameters, gradients and optimizer state."""
 
     @property
     def peak_phase(self) -> str:
@@ -73,14 +90,22 @@ class StepMemory:
         return out
 
 
-class _PhasePeaks(TorchDispatchMode):
-    """After each op, the tracker's current total; the largest per phase (entered inside the tracker)."""
+HOST = torch.device("cuda")
+"""The fake device that stands for host memory in the tracked step."""
+CPU_OFFLOAD_KINDS = ("Sharded Param", "Sharded Grad", "OptState")
+"""The tracker's kinds FSDP CPU offload keeps in host memory."""
 
-    def __init__(self, tracker):
+
+class _PhasePeaks(TorchDispatchMode):
+    """After each op, the tracker's current device and host totals; the device's largest per phase."""
+
+    def __init__(self, tracker, host_kinds: tuple[str, ...] = ()):
         super().__init__()
         self.tracker = tracker
+        self.host_kinds = host_kinds
         self.phase = "forward"
         self.phases: dict[str, Phase] = {}
+        self.host_peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):  # as the tracker: let DTensor desugar to local ops first
@@ -90,16 +115,26 @@ class _PhasePeaks(TorchDispatchMode):
         return out
 
     def record(self) -> None:
-        snap = self.tracker.get_tracker_snapshot()
-        total = sum(dev.get(TOTAL, 0) for dev in snap.values())
+        # the tracker's own current snapshot, read without the deep copy get_tracker_snapshot() makes
+        # (a third of the step's time: it runs after every op); only read here
+        snap = getattr(self.tracker, "_curr_mem_snap", None)
+        if snap is None:
+            snap = self.tracker.get_tracker_snapshot()
+        kinds: dict[str, int] = {}
+        host = 0
+        for dev, by_kind in snap.items():
+            for kind, value in by_kind.items():
+                if kind == TOTAL:
+                    continue
+                key = str(getattr(kind, "value", kind))
+                if torch.device(dev).type == HOST.type or key in self.host_kinds:
+                    host += value
+                else:
+                    kinds[key] = kinds.get(key, 0) + value
+        total = sum(kinds.values())
+        self.host_peak = max(self.host_peak, host)
         phase = self.phases.setdefault(self.phase, Phase(self.phase, -1))
         if total > phase.peak:
-            kinds: dict[str, int] = {}
-            for dev in snap.values():
-                for kind, value in dev.items():
-                    if kind != TOTAL:
-                        key = str(getattr(kind, "value", kind))
-                        kinds[key] = kinds.get(key, 0) + value
             phase.peak, phase.kinds = total, kinds
 
 
@@ -167,8 +202,67 @@ def cuda_kernel_choices():
         yield
 
 
-def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1) -> StepMemory:
-    """The memory of rank 0 over a steady-state step (the optimizer state exists, gradients do not)."""
+@contextlib.contextmanager
+def _offload_to_fake_host(offloader: type):
+    """``full_offload``'s copies go to the fake host device: what the offloader sends off a CUDA device
+    (its tensors of at least ``min_bytes``) leaves the tracked step's device here."""
+    from unittest import mock
+
+    def offloadable(self, t):
+        return t.device.type != HOST.type and t.numel() * t.element_size() >= self.min_bytes
+
+    def to_host(self, t):  # a fake tensor's contents are nothing to copy (and a copy would need CUDA)
+        return torch.empty_like(t, device=HOST)
+
+    with mock.patch.object(offloader, "offloadable", offloadable), mock.patch.object(offloader, "_to_host", to_host):
+        yield
+
+
+def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1,
+               extrapolate: bool = True) -> StepMemory:
+    """The memory of rank 0 over a steady-state step (the optimizer state exists, gradients do not).
+
+    With ``extrapolate`` and more than four layers: tracked at three and four layers, each phase
+    extrapolated to ``args.n_layers`` (see the module docstring)."""
+    import dataclasses
+
+    if not extrapolate or args.n_layers <= 4:
+        return _track(args, layout, switches, seq_len, local_batch)
+    small, large = (_track(dataclasses.replace(args, n_layers=n), layout, switches, seq_len, local_batch)
+                    for n in (3, 4))
+    grow = args.n_layers - 4
+
+    def by_position(step: StepMemory, n: int) -> dict[str, Phase]:
+        out = {}
+        for name, phase in step.phases.items():
+            if name.startswith("layer "):
+                i = int(name.split()[1])
+                for key in (f"bottom {i}", f"top {n - 1 - i}"):
+                    if key in ("bottom 0", "bottom 1", "top 1", "top 0"):
+                        out[key] = phase
+            else:
+                out[name] = phase
+        return out
+
+    a, b = by_position(small, 3), by_position(large, 4)
+    phases: dict[str, Phase] = {}
+    for key, p4 in b.items():
+        p3 = a[key]
+        kinds = {k: v + grow * (v - p3.kinds.get(k, 0)) for k, v in p4.kinds.items()}
+        peak = p4.peak + grow * (p4.peak - p3.peak)
+        if key.startswith(("bottom", "top")):
+            i = int(key.split()[1])
+            key = f"layer {i if key.startswith('bottom') else args.n_layers - 1 - i} backward"
+        phases[key] = Phase(key, peak, kinds)
+    order = [n for n in b if not n.startswith(("bottom", "top"))]
+    layers = sorted((n for n in phases if n.startswith("layer ")), key=lambda n: -int(n.split()[1]))
+    at = order.index("embedding backward") if "embedding backward" in order else len(order)
+    names = order[:at] + layers + order[at:]
+    host = large.host_peak + grow * (large.host_peak - small.host_peak)
+    return StepMemory(peak=max(p.peak for p in phases.values()), phases={n: phases[n] for n in names}, host_peak=host)
+
+
+def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1) -> StepMemory:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -176,24 +270,25 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
 
     from titan_ulysses.data.sharding import shard_batch
     from titan_ulysses.distributed.lora import LoRAOptions
+    from titan_ulysses.distributed.activation_offload import ActivationOffloader
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.distributed.utils import clip_grad_norm_
     from titan_ulysses.models.llama.parallelize import ParallelizeOptions
     from titan_ulysses.models.registry import build_model, parallelize_model
     from titan_ulysses.optim import build_optimizer
 
-    if switches.cpu_offload or switches.ac_mode == "full_offload":
-        raise ValueError("the CPU tracker cannot tell host from device memory: no cpu_offload or full_offload")
     world = layout.dp_shard * layout.cp * layout.sp * layout.tp
     dtype = torch.bfloat16 if switches.act_bytes == 2 else torch.float32
     compute = _compute(switches)
-    with _fake_world(world), cuda_kernel_choices():
+    host_kinds = CPU_OFFLOAD_KINDS if switches.cpu_offload else ()
+    with _fake_world(world), cuda_kernel_choices(), _offload_to_fake_host(ActivationOffloader):
         pd = ParallelDims(dp_shard=layout.dp_shard, cp=layout.cp, sp=layout.sp, tp=layout.tp, world_size=world)
         pd.build_mesh("cpu")
         with torch.device("meta"):
             model = build_model(args, compute)
         lora = LoRAOptions(rank=switches.lora_rank) if switches.lora_rank else None
-        parallelize_model(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, param_dtype=dtype, lora=lora))
+        parallelize_model(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, param_dtype=dtype, lora=lora,
+                                                        ulysses_head_stages=switches.head_stages))
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             model.init_buffers(torch.device("cpu"))
@@ -201,25 +296,25 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
             tokens = torch.zeros(local_batch, seq_len, dtype=torch.long)
             batches = [shard_batch(tokens, tokens, 0, layout.sp, cp=layout.cp) for _ in range(switches.microbatches)]
 
-            def step(poller=None, tracker=None):
+            def step(poller, tracker):
                 for i, mb in enumerate(batches):
                     if i and hasattr(tracker, "reset_mod_stats"):
                         tracker.reset_mod_stats()  # FSDPMemTracker refuses a second forward otherwise
-                    if poller is not None:
-                        poller.phase = "forward"
+                    poller.phase = "forward"
                     loss = model(mb.tokens, positions=mb.positions, labels=mb.labels) / 1000.0
-                    if poller is not None:
-                        poller.phase = "loss backward"
+                    poller.phase = "loss backward"
                     loss.backward()
-                if poller is not None:
-                    poller.phase = "clip grad norm"
+                poller.phase = "clip grad norm"
                 clip_grad_norm_(model.parameters(), 1.0)
-                if poller is not None:
-                    poller.phase = "optimizer step"
+                poller.phase = "optimizer step"
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            step()  # the first step creates the optimizer state
+            # the optimizer state of a steady-state step, without running a step to make it
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             if isinstance(model, FSDPModule):
                 tracker = FSDPMemTracker(model, optimizer)
             else:
@@ -228,7 +323,7 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
             with tracker:
                 if hasattr(tracker, "track_inputs"):
                     tracker.track_inputs(tuple((mb.tokens, mb.labels, mb.positions) for mb in batches))
-                poller = _PhasePeaks(tracker)
+                poller = _PhasePeaks(tracker, host_kinds)
                 handles = _phase_hooks(model, poller)
                 try:
                     with poller:
@@ -236,8 +331,8 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
                 finally:
                     for h in handles:
                         h.remove()
-            peak = sum(dev.get(TOTAL, 0) for dev in tracker.get_tracker_snapshot("peak").values())
-    return StepMemory(peak=peak, phases=poller.phases)
+    return StepMemory(peak=max(p.peak for p in poller.phases.values()), phases=poller.phases,
+                      host_peak=poller.host_peak)
 
 
 def _compute(switches: Switches):

@@ -14,6 +14,7 @@ from titan_ulysses.distributed.float8 import Float8Options, apply_float8
 from titan_ulysses.distributed.fsdp import apply_fsdp
 from titan_ulysses.distributed.lora import LoRAOptions, apply_lora
 from titan_ulysses.distributed.parallel_dims import ParallelDims
+from titan_ulysses.distributed.staged_attention import apply_head_stages, check_head_stages
 from titan_ulysses.distributed.tensor_parallel import apply_tp
 from titan_ulysses.distributed.ulysses import apply_ulysses, check_heads
 from titan_ulysses.models.llama.model import Transformer
@@ -35,6 +36,8 @@ class ParallelizeOptions:
     """float8 linear layers through torchao (None: off)."""
     lora: LoRAOptions | None = None
     """LoRA adapters on a frozen base (None: full fine-tuning)."""
+    ulysses_head_stages: int = 1
+    """Attention in this many stages of head groups (``distributed/staged_attention.py``); 1 = off."""
 
 
 def parallelize_llama(
@@ -47,6 +50,7 @@ def parallelize_llama(
     options = options or ParallelizeOptions()
     args = model.args
     check_heads(args.n_heads, args.n_kv_heads, parallel_dims.sp, parallel_dims.tp, parallel_dims.cp)
+    check_head_stages(options.ulysses_head_stages, args.n_heads, args.n_kv_heads, parallel_dims.sp, parallel_dims.tp)
     if options.float8 is not None:
         apply_float8(model, options.float8)
     if parallel_dims.tp_enabled:
@@ -55,6 +59,7 @@ def parallelize_llama(
         apply_cp(model, parallel_dims.get_mesh("cp"))
     if parallel_dims.sp_enabled:
         apply_ulysses(model, parallel_dims.get_mesh("sp"))
+    apply_head_stages(model, options.ulysses_head_stages)  # after Ulysses (uses its group), before AC
     if options.lora is not None:  # frozen base in the compute dtype; AC, compile and FSDP see the adapters
         if parallel_dims.tp_enabled:
             raise ValueError("lora with tensor parallelism is not supported (config/manager.py says why)")
