@@ -28,7 +28,7 @@ if [ -z "${SLURM_JOB_NODELIST:-}" ]; then
 fi
 NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:?}}
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # sed reads it all: head would end scontrol with SIGPIPE, fatal under pipefail
 MASTER_PORT=${MASTER_PORT:-29500}
 SAVE_SECONDS=${SAVE_SECONDS:-600}
 cd "${SLURM_SUBMIT_DIR:-.}"

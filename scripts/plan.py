@@ -66,7 +66,7 @@ def plan_config(a):
                              f"{BUDGET:.0%} of {a.gpu_memory_gib:g} GiB; more GPUs, more memory or a shorter length")
         for flag in rec[1]:
             key, value = flag.split()
-            _set(config, key[2:], value)
+            _set(config, key[2:], value, from_cli=True)
         dims = validate(config, a.gpus)
     except ConfigError as e:
         raise SystemExit(f"plan: {e}") from e

@@ -270,7 +270,8 @@ def test_sdpa_per_document_op_compiles_once_and_differentiates():
 def test_packed_long_windows_on_sdpa_validate_where_they_were_refused():
     """65536 packed tokens on sdpa needed a 4 GiB dense mask and were refused; now they validate, and
     what a backend cannot do is still refused in one line naming the alternatives."""
-    from titan_ulysses.config.manager import ConfigError, load_config, validate
+    from titan_ulysses.config.manager import ConfigError, load_config
+    from titan_ulysses.preflight import validate
     from titan_ulysses.ops.attention import check_attention_settings
 
     base = ["--config", "train_configs/debug_model.toml", "--training.dataset", "sft", "--training.dataset_path",

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import assert_close, run_distributed
-from model_harness import clean_name, full, make_batch, parallel_step, reference_step, small_args
+from model_harness import clean_name, full, make_batch, parallel_step, reference_step, small_args, split_overrides
 from titan_ulysses.checkpoint.lora_export import AdapterMismatchError
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.distributed.float8 import Float8Options, apply_float8, precompute_float8_scales
@@ -34,10 +34,11 @@ MAX_NORM = 0.05
 LORA = LoRAOptions(rank=4, alpha=8.0, targets=resolve_targets("q_proj,k_proj,v_proj,o_proj,w1,w2,w3"))
 
 
-def trained_like_reference(args, lora: LoRAOptions = LORA, float8: Float8Options | None = None) -> Transformer:
+def trained_like_reference(args, lora: LoRAOptions = LORA, float8: Float8Options | None = None,
+                           compute=None) -> Transformer:
     """A plain model with adapters, its weights far from init (same on every rank)."""
     torch.manual_seed(0)
-    ref = Transformer(args)
+    ref = Transformer(args, compute)
     ref.init_weights()
     with torch.no_grad():
         for layer in ref.layers.values():
@@ -55,9 +56,9 @@ def trained_like_reference(args, lora: LoRAOptions = LORA, float8: Float8Options
     return ref
 
 
-def parallel_twin(ref, args, pd: ParallelDims, options: ParallelizeOptions):
+def parallel_twin(ref, args, pd: ParallelDims, options: ParallelizeOptions, compute=None):
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(args, compute)
     parallelize_llama(model, pd, options)
     model.to_empty(device="cpu")
     model.init_buffers()
@@ -68,12 +69,13 @@ def parallel_twin(ref, args, pd: ParallelDims, options: ParallelizeOptions):
 def _compare(layout: dict, ac_mode: str, compile_: bool, microbatches: int, overrides: dict, extra: dict):
     pd = ParallelDims(**layout, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
+    overrides, compute = split_overrides(overrides)  # runtime switches (the tiled MLP) are ComputeOptions
     args = small_args(**overrides)
     float8 = extra.pop("float8", None)
-    ref = trained_like_reference(args, float8=float8)
+    ref = trained_like_reference(args, float8=float8, compute=compute)
     options = ParallelizeOptions(ac_mode=ac_mode, compile=compile_, param_dtype=torch.float32, lora=LORA,
                                  float8=float8, **extra)
-    model = parallel_twin(ref, args, pd, options)
+    model = parallel_twin(ref, args, pd, options, compute)
     base_before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.1,
                                 foreach=False)

@@ -75,7 +75,7 @@ def export_peft_adapter(checkpoint_dir: str, output_dir: str, base_model: str = 
     """Write a peft LoRA folder for a LoRA checkpoint; ``base_model`` overrides the recorded base."""
     from safetensors.torch import save_file
 
-    from titan_ulysses.checkpoint.hf_adapter import interleaved_to_halves, name_map
+    from titan_ulysses.checkpoint.hf_adapter import hf_tensors, ours_to_theirs
     from titan_ulysses.checkpoint.hf_export import _model_metadata, read_model_record, read_model_weights
 
     record = read_lora_record(checkpoint_dir)
@@ -86,14 +86,19 @@ def export_peft_adapter(checkpoint_dir: str, output_dir: str, base_model: str = 
     args = model_record[0]
     adapters = pop_adapters(dict(_model_metadata(checkpoint_dir)))
     weights = read_model_weights(checkpoint_dir, [n for pair in adapters.values() for n in pair])
-    names = name_map(args)
+    names = {parts[0][0]: (theirs, parts[0][1]) for theirs, parts in hf_tensors(args).items() if len(parts) == 1}
+    fused = sorted(base for base in adapters if base not in names)
+    if fused:  # e.g. Phi-3's qkv_proj holds our wq, wk, wv: one peft adapter per HF module cannot keep them apart
+        raise ValueError(f"--adapter-only: {args.family} fuses {fused[0]} with other projections into one Hugging "
+                         f"Face module, which a peft adapter cannot express per projection; export the merged "
+                         f"model (without --adapter-only)")
     state = {}
     for base, (a, b) in adapters.items():
         theirs, heads = names[base]  # model.layers.0.self_attn.q_proj.weight
         prefix = "base_model.model." + theirs[: -len(".weight")]
         state[f"{prefix}.lora_A.weight"] = weights[a].float().contiguous()
         lora_b = weights[b].float()
-        state[f"{prefix}.lora_B.weight"] = (interleaved_to_halves(lora_b, heads) if heads else lora_b).contiguous()
+        state[f"{prefix}.lora_B.weight"] = ours_to_theirs(lora_b, heads, args).contiguous()
     os.makedirs(output_dir, exist_ok=True)
     save_file(state, os.path.join(output_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {
