@@ -99,8 +99,9 @@ def estimated_saved_activations(args, layout, switches: Switches, seq_len: int, 
 
 @contextlib.contextmanager
 def _block_progress(passes: int, desc: str):
-    """A tqdm bar on stderr over the transformer blocks' forwards (``passes``: the tracker's two
-    steps; recomputation under activation checkpointing counts again, so the bar may pass its total)."""
+    """A tqdm bar on stderr over the transformer blocks' forwards (``passes``: one step at each depth
+    the tracker traces; recomputation under activation checkpointing counts again, so the bar may
+    pass its total)."""
     import torch
     from tqdm import tqdm
 
@@ -120,10 +121,11 @@ def _block_progress(passes: int, desc: str):
 
 def track(args, layout, switches, seq_len: int, batch: int, est) -> dict:
     """The CPU tracker's step (``metrics/memory_track.py``) beside the estimate, phase by phase."""
-    from titan_ulysses.metrics.memory_track import track_step
+    from titan_ulysses.metrics.memory_track import track_step, tracked_layer_counts
 
     try:
-        with _block_progress(args.n_layers * switches.microbatches * 2, "--track: block forwards"):
+        with _block_progress(sum(tracked_layer_counts(args.n_layers)) * switches.microbatches,
+                             "--track: block forwards"):
             step = track_step(args, layout, switches, seq_len, batch)
     except ValueError as e:
         raise SystemExit(f"--track: {e}") from e

@@ -36,9 +36,10 @@ from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.sources import DataError, list_files, read_rows, text_field, work_items
-from titan_ulysses.data.tokenizer import build_tokenizer
-from titan_ulysses.models.llama.model import Transformer
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.data.tokenizer import resolve_tokenizer
+from titan_ulysses.models.compute import ComputeOptions
+from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+from titan_ulysses.models.registry import build_model, parallelize_model
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.loss import IGNORE_INDEX
 from titan_ulysses.preflight import validate
@@ -222,7 +223,7 @@ def main(argv=None) -> int:
         seq_len = a.seq_len or config.training.seq_len
         config.training.seq_len = seq_len
         pd = validate(config, world)
-        tokenizer = build_tokenizer(config.model.tokenizer, config.model.tokenizer_path or config.model.hf_assets_path)
+        tokenizer = resolve_tokenizer(config.model)  # the run's tokenizer, resolved as train.py resolves it
         docs = read_documents(a.data, tokenizer)
     except (ConfigError, DataError) as e:
         raise SystemExit(f"eval_long: {e}") from e
@@ -234,9 +235,9 @@ def main(argv=None) -> int:
     pd.build_mesh(device.type)
     args = model_args(config, tokenizer.vocab_size)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args, ComputeOptions.from_config(config.model))  # any family, as the trainer builds it
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    parallelize_llama(model, pd, ParallelizeOptions(param_dtype=dtype))
+    parallelize_model(model, pd, ParallelizeOptions(param_dtype=dtype))
     model.to_empty(device=device)
     model.init_buffers(device)
     CheckpointManager(folder=os.path.dirname(a.checkpoint), model=model, optimizer=None, lr_scheduler=None,

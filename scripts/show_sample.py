@@ -98,13 +98,13 @@ def main(argv=None) -> int:
     from titan_ulysses.config.manager import ConfigError, load_config
     from titan_ulysses.data.build import VALIDATION_SEED_OFFSET, build_dataset
     from titan_ulysses.data.sources import DataError
-    from titan_ulysses.data.tokenizer import build_tokenizer
+    from titan_ulysses.data.tokenizer import resolve_tokenizer
     from titan_ulysses.ops.loss import IGNORE_INDEX
 
     try:
         config = load_config(["--config", a.config, *overrides])
         t, v, m = config.training, config.validation, config.model
-        tokenizer = build_tokenizer(m.tokenizer, m.tokenizer_path or m.hf_assets_path)
+        tokenizer = resolve_tokenizer(m)
         kind, path, seed = t.dataset, t.dataset_path, t.seed
         if a.validation:
             kind, path, seed = v.dataset or t.dataset, v.dataset_path, t.seed + VALIDATION_SEED_OFFSET

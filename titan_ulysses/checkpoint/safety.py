@@ -19,6 +19,8 @@ import shutil
 
 import torch
 
+from titan_ulysses.data.build_lock import folder_bytes  # the bytes a failed save left, as a failed store build counts them
+
 
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
@@ -75,17 +77,6 @@ def state_bytes(model, optimizer) -> int:
     return total
 
 
-def _bytes_under(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:
-                pass
-    return total
-
-
 def _first_line(exc: BaseException) -> str:
     e = next((e for e in _exceptions(exc) if not getattr(e, "failures", None)), exc)  # the rank's own error
     text = str(e).strip().splitlines()
@@ -96,7 +87,7 @@ def explain_save_error(exc: BaseException, path: str, needed: int, newest_good: 
     """An OSError saying that saving to ``path`` failed (ran out of space, when it did), how much it needs and has."""
     folder = os.path.dirname(path)
     free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
-    held = _bytes_under(path) if os.path.isdir(path) else 0  # written by the failed save, freed at the next start
+    held = folder_bytes(path) if os.path.isdir(path) else 0  # written by the failed save, freed at the next start
     kept = f"the newest good checkpoint, {newest_good}, is kept" if newest_good else "no checkpoint was saved before"
     space = (f"a checkpoint of this run needs about {needed / 2**30:.2f} GiB and {free / 2**30:.2f} GiB are free on "
              f"that filesystem")

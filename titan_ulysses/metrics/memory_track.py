@@ -218,6 +218,11 @@ def _offload_to_fake_host(offloader: type):
         yield
 
 
+def tracked_layer_counts(n_layers: int, extrapolate: bool = True) -> tuple[int, ...]:
+    """The model depths :func:`track_step` traces (one step each): all layers, or three and four."""
+    return (n_layers,) if not extrapolate or n_layers <= 4 else (3, 4)
+
+
 def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1,
                extrapolate: bool = True) -> StepMemory:
     """The memory of rank 0 over a steady-state step (the optimizer state exists, gradients do not).
@@ -226,10 +231,11 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
     extrapolated to ``args.n_layers`` (see the module docstring)."""
     import dataclasses
 
-    if not extrapolate or args.n_layers <= 4:
+    depths = tracked_layer_counts(args.n_layers, extrapolate)
+    if len(depths) == 1:
         return _track(args, layout, switches, seq_len, local_batch)
     small, large = (_track(dataclasses.replace(args, n_layers=n), layout, switches, seq_len, local_batch)
-                    for n in (3, 4))
+                    for n in depths)
     grow = args.n_layers - 4
 
     def by_position(step: StepMemory, n: int) -> dict[str, Phase]:
