@@ -172,7 +172,7 @@ class HeadStagedAttention:
         for plan in plans:
             part = checkpoint(self._stage, x, rope[0], rope[1], attention_mask, plan,
                               use_reentrant=False, preserve_rng_state=False)  # [B, S/P, D]
-            out = part if out is None else out.add_(part)  # in place: two [B, S/P, D] alive, not three
+            out = part if out is None else out + part  # [B, S/P, D]
         return out
 
     def _stage(self, x, cos, sin, attention_mask, plan: StagePlan):

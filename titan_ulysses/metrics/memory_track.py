@@ -318,7 +318,8 @@ def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, lo
 
             # the optimizer state of a steady-state step, without running a step to make it
             for p in model.parameters():
-                p.grad = torch.zeros_like(p)
+                if p.requires_grad:  # a frozen base (LoRA) has no gradient, and the optimizer never clears one
+                    p.grad = torch.zeros_like(p)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if isinstance(model, FSDPModule):
