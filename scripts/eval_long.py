@@ -32,14 +32,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from titan_ulysses.checkpoint.manager import CheckpointManager
+from titan_ulysses.checkpoint.eval_model import load_eval_model
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.sources import DataError, list_files, read_rows, text_field, work_items
 from titan_ulysses.data.tokenizer import resolve_tokenizer
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions
-from titan_ulysses.models.registry import build_model, parallelize_model
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.loss import IGNORE_INDEX
 from titan_ulysses.preflight import validate
@@ -234,15 +232,7 @@ def main(argv=None) -> int:
     device = init_distributed()
     pd.build_mesh(device.type)
     args = model_args(config, tokenizer.vocab_size)
-    with torch.device("meta"):
-        model = build_model(args, ComputeOptions.from_config(config.model))  # any family, as the trainer builds it
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    parallelize_model(model, pd, ParallelizeOptions(param_dtype=dtype))
-    model.to_empty(device=device)
-    model.init_buffers(device)
-    CheckpointManager(folder=os.path.dirname(a.checkpoint), model=model, optimizer=None, lr_scheduler=None,
-                      dataloader=None, enable=False, interval=1).load_model_only(a.checkpoint)
-    model.eval()
+    model = load_eval_model(args, ComputeOptions.from_config(config.model), pd, device, a.checkpoint)
     result = {"checkpoint": a.checkpoint, "config": a.config, "overrides": overrides, "data": a.data,
               "layout": pd.degrees, "seq_len": seq_len, "needle_samples": a.needle_samples,
               "loss_by_position": loss_by_position(model, pd, windows, a.buckets, tokenizer.pad_id, device),

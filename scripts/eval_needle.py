@@ -35,15 +35,13 @@ import sys
 import torch
 import torch.distributed as dist
 
+from titan_ulysses.checkpoint.eval_model import load_eval_model
 from titan_ulysses.checkpoint.hf_export import ASSETS, read_data_settings, read_model_record
-from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.datasets import make_passkey_tokens, random_passkey
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions
-from titan_ulysses.models.registry import build_model, parallelize_model
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.loss import IGNORE_INDEX
 from titan_ulysses.preflight import validate
@@ -219,15 +217,7 @@ def main(argv=None) -> int:
     device = init_distributed()
     pd.build_mesh(device.type)
     args = recorded_args(a.checkpoint, model_args(config, tokenizer.vocab_size), overrides, notes)
-    with torch.device("meta"):
-        model = build_model(args, ComputeOptions.from_config(config.model))
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    parallelize_model(model, pd, ParallelizeOptions(param_dtype=dtype))
-    model.to_empty(device=device)
-    model.init_buffers(device)
-    CheckpointManager(folder=os.path.dirname(a.checkpoint), model=model, optimizer=None, lr_scheduler=None,
-                      dataloader=None, enable=False, interval=1).load_model_only(a.checkpoint)
-    model.eval()
+    model = load_eval_model(args, ComputeOptions.from_config(config.model), pd, device, a.checkpoint)
     grid = [[evaluate_cell(model, pd, tokenizer, device, length, depth, a.samples, digits) for length in a.lengths]
             for depth in a.depths]
     result = {

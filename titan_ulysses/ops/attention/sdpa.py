@@ -138,24 +138,23 @@ class SDPAAttention(nn.Module):
         """Attention under an explicit boolean mask (``[Lq, Lk]`` or ``[B, 1, Lq, Lk]``)."""
         if softcap > 0:
             return _math(q, k, v, mask, scale, softcap)
-        gqa = q.shape[2] != k.shape[2]
-        if _cuda_needs_kv_expanded(q, k, True):
-            k, v = _expand_kv(q, k, v)
-            gqa = False
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        with self._kernels(True):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        return out.transpose(1, 2)  # [B, S, H, D]
+        return self._sdpa(q, k, v, mask, scale)
 
     def _causal(self, q, k, v, scale):
         """Square causal attention, no mask: cuDNN / flash on CUDA."""
+        return self._sdpa(q, k, v, None, scale)
+
+    def _sdpa(self, q, k, v, mask, scale):
+        """SDPA in the kernel order for masked (``mask``) or causal (``None``) calls, kv expanded where the
+        CUDA kernels need it."""
         gqa = q.shape[2] != k.shape[2]
-        if _cuda_needs_kv_expanded(q, k, False):
+        if _cuda_needs_kv_expanded(q, k, mask is not None):
             k, v = _expand_kv(q, k, v)
             gqa = False
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        with self._kernels(False):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        with self._kernels(mask is not None):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                                 enable_gqa=gqa)
         return out.transpose(1, 2)  # [B, S, H, D]
 
     def causal_lower_right(self, q, k, v, *, scale=None, window=0, softcap=0.0):
