@@ -158,6 +158,7 @@ class Trainer:
             float8=float8_options(config),
             lora=lora_options(config.lora),
             ulysses_head_stages=config.parallelism.ulysses_head_stages,
+            ulysses_stage_keep_attention=config.parallelism.ulysses_stage_keep_attention,
         )
         self.float8 = options.float8
         self.model = parallelize_model(model, pd, options)

@@ -75,6 +75,13 @@ class Parallelism:
     """Attention in this many stages of head groups, each projected, exchanged and attended in turn,
     so one stage's full-sequence q/k/v/out are alive at a time (1 = off; must divide the q heads
     per Ulysses rank, at most their count where the split is uneven; not with tensor parallelism)."""
+    ulysses_stage_keep_attention: bool = True
+    """With ulysses_head_stages > 1: each stage keeps its attention kernel's output and logsumexp
+    for backward, so backward recomputes only the stage's projections and exchange, not attention
+    (about the speed of plain Ulysses; under full AC, one layer's attention output at a time,
+    during that layer's backward). false: a stage keeps only its input and backward runs its
+    attention forward again: one more attention forward per layer, for the last GiBs at millions
+    of tokens."""
 
 
 @dataclass

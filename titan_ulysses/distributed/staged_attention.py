@@ -154,6 +154,7 @@ class HeadStagedAttention:
     """Mixin put in front of an attention module's class by :func:`apply_head_stages`."""
 
     head_stages: int = 1
+    stage_keep_attention: bool = True
 
     def forward(self, x, rope, attention_mask=None):  # [B, S/P, D] -> [B, S/P, D]
         for proj in (self.wq, self.wk, self.wv, self.wo):
@@ -216,7 +217,7 @@ def _staged_class(cls: type) -> type:
     return type(f"HeadStaged{cls.__name__}", (HeadStagedAttention, cls), {})
 
 
-def apply_head_stages(model: nn.Module, stages: int) -> int:
+def apply_head_stages(model: nn.Module, stages: int, keep_attention: bool = True) -> int:
     """Run every attention module (one with ``inner_attention`` and ``wq/wk/wv/wo``) in ``stages`` head stages.
 
     Apply after Ulysses (the stages use its group) and before activation checkpointing and
@@ -230,6 +231,7 @@ def apply_head_stages(model: nn.Module, stages: int) -> int:
         if all(hasattr(module, n) for n in ("inner_attention", "wq", "wk", "wv", "wo", "head_dim")):
             module.__class__ = _staged_class(type(module))
             module.head_stages = stages
+            module.stage_keep_attention = keep_attention
             staged += 1
     if staged == 0:
         raise ValueError("parallelism.ulysses_head_stages found no attention module (inner_attention, wq/wk/wv/wo) "

@@ -145,6 +145,8 @@ class Switches:
     only the adapters (fp32) have both (``distributed/lora.py``)."""
     head_stages: int = 1
     """``parallelism.ulysses_head_stages``: attention in this many stages of head groups."""
+    stage_keep_attention: bool = True
+    """``parallelism.ulysses_stage_keep_attention``: stages keep their attention kernel's outputs for backward."""
 
 
 @dataclass

@@ -39,6 +39,7 @@ def from_config(config, dims):
         microbatches=resolved_global_batch_size(config, dp) // (t.local_batch_size * dp),
         lora_rank=config.lora.rank,
         head_stages=config.parallelism.ulysses_head_stages,
+        stage_keep_attention=config.parallelism.ulysses_stage_keep_attention,
     )
     return args, Layout(dp_shard=dims.size("dp_shard"), sp=dims.sp, tp=dims.tp, cp=dims.cp), switches
 

@@ -294,7 +294,8 @@ def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, lo
             model = build_model(args, compute)
         lora = LoRAOptions(rank=switches.lora_rank) if switches.lora_rank else None
         parallelize_model(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, param_dtype=dtype, lora=lora,
-                                                        ulysses_head_stages=switches.head_stages))
+                                                        ulysses_head_stages=switches.head_stages,
+                                                        ulysses_stage_keep_attention=switches.stage_keep_attention))
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             model.init_buffers(torch.device("cpu"))

@@ -38,6 +38,8 @@ class ParallelizeOptions:
     """LoRA adapters on a frozen base (None: full fine-tuning)."""
     ulysses_head_stages: int = 1
     """Attention in this many stages of head groups (``distributed/staged_attention.py``); 1 = off."""
+    ulysses_stage_keep_attention: bool = True
+    """Stages keep their attention kernel's outputs for backward (``parallelism.ulysses_stage_keep_attention``)."""
 
 
 def parallelize_llama(
@@ -59,7 +61,7 @@ def parallelize_llama(
         apply_cp(model, parallel_dims.get_mesh("cp"))
     if parallel_dims.sp_enabled:
         apply_ulysses(model, parallel_dims.get_mesh("sp"))
-    apply_head_stages(model, options.ulysses_head_stages)  # after Ulysses (uses its group), before AC
+    apply_head_stages(model, options.ulysses_head_stages, options.ulysses_stage_keep_attention)  # after Ulysses (uses its group), before AC
     if options.lora is not None:  # frozen base in the compute dtype; AC, compile and FSDP see the adapters
         if parallel_dims.tp_enabled:
             raise ValueError("lora with tensor parallelism is not supported (config/manager.py says why)")
