@@ -38,9 +38,7 @@ class ConsoleLogger:
 
     def log_summary(self, summary: dict) -> None:
         s = summary
-        if s["steps_this_run"] == 0:
-            print(f"run summary: all {s['total_steps']} steps were already done"
-                  + (f" ({s['checkpoint']})" if s.get("checkpoint") else "") + "; nothing to train", flush=True)
+        if s["steps_this_run"] == 0:  # the trainer's start-up line said so, naming training.steps
             return
         lines = [f"run summary: {s['steps_this_run']} steps this run (step {s['first_step']} -> {s['last_step']} "
                  f"of {s['total_steps']}), {s['tokens_this_run']:,} tokens in {duration(s['wall_sec'])}, "
