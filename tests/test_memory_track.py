@@ -102,7 +102,7 @@ def small_chunks(monkeypatch):
     from titan_ulysses.ops import norm
 
     monkeypatch.setattr(norm, "CHUNK_TOKENS", 256)
-    monkeypatch.setattr(track_extrapolation, "MIN_QUANTA", 6)  # extrapolate from 6 quanta on (not only from 16)
+    monkeypatch.setattr(track_extrapolation, "MIN_QUANTA", 6)  # extrapolate from 6 quanta on (not only from 32)
     return Switches(ac_mode="full_offload", loss_chunk_size=256, mlp_tile_size=256)
 
 
