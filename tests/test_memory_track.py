@@ -132,7 +132,7 @@ def test_off_the_line_is_traced_at_full_length(small_chunks, monkeypatch):
     switches = dataclasses.replace(small_chunks, head_stages=2)
     check, seen = ex.off_the_line, []
 
-    def forced(a, b, c):
+    def forced(a, b, c=None):
         seen.append(check(a, b, c))
         phase = "layer 0 backward"
         key = max(c.events[phase], key=lambda k: c.events[phase][k][0])

@@ -307,7 +307,8 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
                  for n in depths for s in lengths[:2]}
         check = _track(at_depth[depths[-1]], layout, switches, lengths[2], local_batch, keyed=True,
                        token_scale=scale[lengths[2]])
-        why = ex.off_the_line(keyed[depths[-1], lengths[0]], keyed[depths[-1], lengths[1]], check)
+        why = ex.off_the_line(keyed[depths[-1], lengths[0]], keyed[depths[-1], lengths[1]], check) or \
+            "".join(ex.off_the_line(keyed[n, lengths[0]], keyed[n, lengths[1]]) for n in depths[:-1])
         if not why:
             steps = {n: ex.at_length(keyed[n, lengths[0]], keyed[n, lengths[1]], m) for n in depths}
             sampled = f"{' and '.join(f'{s:,}' for s in lengths[:2])} tokens (on the line at {lengths[2]:,})"
