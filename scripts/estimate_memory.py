@@ -24,8 +24,10 @@ dk/dv expanded to the q heads), NCCL buffers, the caching allocator's rounding a
 fragmentation, torch.compile's buffers (the step is eager; attention is sdpa, choosing its
 kernels as on CUDA). Host memory is tracked apart from the device's: ``full_offload``'s
 block inputs and, with FSDP CPU offload, the sharded parameters, gradients and optimizer
-state (``memory_track.py`` says how). Models of more than four layers are tracked at three
-and four and extrapolated, exactly (the blocks are identical). ``--validate`` runs two real steps and compares: on CUDA the second
+state (``memory_track.py`` says how). Models of more than four layers are traced at three
+and four layers, and long sequences at short lengths that are multiples of every chunk size,
+checked on a third, and extrapolated (``metrics/track_extrapolation.py``); the output says
+what was traced. ``--validate`` runs two real steps and compares: on CUDA the second
 (steady-state) step's whole peak (``torch.cuda.max_memory_allocated``, one process; in
 fake mode for a world size above 1; measured on an H200, see docs/benchmarks.md); on CPU
 the saved activations, counted through autograd's saved-tensor hooks (single process,
@@ -100,8 +102,9 @@ def estimated_saved_activations(args, layout, switches: Switches, seq_len: int, 
 @contextlib.contextmanager
 def _block_progress(passes: int, desc: str):
     """A tqdm bar on stderr over the transformer blocks' forwards (``passes``: one step at each depth
-    the tracker traces; recomputation under activation checkpointing counts again, so the bar may
-    pass its total)."""
+    and length the tracker traces; recomputation under activation checkpointing counts again, and so
+    does a step traced at the full length where the short ones are off their line: the bar may pass
+    its total)."""
     import torch
     from tqdm import tqdm
 
@@ -121,16 +124,20 @@ def _block_progress(passes: int, desc: str):
 
 def track(args, layout, switches, seq_len: int, batch: int, est) -> dict:
     """The CPU tracker's step (``metrics/memory_track.py``) beside the estimate, phase by phase."""
-    from titan_ulysses.metrics.memory_track import track_step, tracked_layer_counts
+    from titan_ulysses.metrics.memory_track import track_step
+    from titan_ulysses.metrics.track_extrapolation import sample_lengths, tracked_layer_counts
 
+    depths = tracked_layer_counts(args.n_layers)
+    lengths = sample_lengths(seq_len, layout, switches)[0]
+    passes = sum(depths) * 2 + depths[-1] if len(lengths) > 1 else sum(depths)  # samples x depths, and the check
     try:
-        with _block_progress(sum(tracked_layer_counts(args.n_layers)) * switches.microbatches,
-                             "--track: block forwards"):
+        with _block_progress(passes * switches.microbatches, "--track: block forwards"):
             step = track_step(args, layout, switches, seq_len, batch)
     except ValueError as e:
         raise SystemExit(f"--track: {e}") from e
     phases = step.summary()
-    return {"what": "peak memory (CPU tracker, fake tensors)", "measured": float(step.peak), "phase": step.peak_phase,
+    return {"what": "peak memory (CPU tracker, fake tensors)", "traced": step.traced,
+            "measured": float(step.peak), "phase": step.peak_phase,
             "host": float(step.host_peak), "estimated_host": est.host_offloaded,
             "estimated": est.total, "estimated_phase": est.peak_phase,
             "error_pct": 100 * (est.total - step.peak) / step.peak,
@@ -224,7 +231,7 @@ def main(argv=None) -> int:
         tr = result["tracked"]
         print(f"CPU tracker (fake tensors): device peak {tr['measured'] / GIB:.2f} GiB in {tr['phase']}; estimate "
               f"{tr['estimated'] / GIB:.2f} GiB in {tr['estimated_phase']} ({tr['error_pct']:+.1f}%); host peak "
-              f"{tr['host'] / GIB:.2f} GiB (estimate {tr['estimated_host'] / GIB:.2f} GiB)")
+              f"{tr['host'] / GIB:.2f} GiB (estimate {tr['estimated_host'] / GIB:.2f} GiB); {tr['traced']}")
         for name, ph in tr["phases"].items():
             est_text = "" if ph["estimated"] is None else f"  estimated {ph['estimated'] / GIB:8.2f} GiB"
             kinds = ", ".join(f"{k} {v / GIB:.2f}" for k, v in ph["kinds"].items() if v >= GIB / 100)

@@ -14,6 +14,7 @@ gradient, the reduce-scatter buffer or the prefetched block would miss by more t
 import pytest
 
 from titan_ulysses.metrics.memory_estimate import Layout, Switches, estimate
+from titan_ulysses.metrics import track_extrapolation
 from titan_ulysses.metrics.memory_track import track_step
 from titan_ulysses.models.llama.args import get_flavor
 
@@ -89,13 +90,74 @@ def test_offloaded_block_inputs_and_fsdp_cpu_offload_are_host_memory():
     assert cpu.phases["optimizer step"].peak < 0.01 * full.phases["optimizer step"].peak
 
 
-def test_layer_extrapolation_is_exact():
-    """Tracked at 3 and 4 layers and extrapolated, a 6-layer step equals the 6 layers tracked, to the byte."""
-    args = get_flavor("8B", n_layers=6, dim=512, n_heads=8, n_kv_heads=2, ffn_hidden_dim=1024, vocab_size=4096)
-    switches = Switches(ac_mode="full_offload", loss_chunk_size=1024, mlp_tile_size=1024, head_stages=2)
-    fast = track_step(args, Layout(sp=2), switches, 8192)
-    direct = track_step(args, Layout(sp=2), switches, 8192, extrapolate=False)
-    assert {n: p.peak for n, p in fast.phases.items() if n in direct.phases} == \
-        {n: p.peak for n, p in direct.phases.items() if n in fast.phases}
-    assert fast.summary()["layer backward"].peak == direct.summary()["layer backward"].peak
-    assert (fast.peak, fast.host_peak) == (direct.peak, direct.host_peak)
+def _small_8b(n_layers):
+    """Llama-3-8B's structure, small (fake tensors cost no memory, only ops: the dims keep every block input
+    above the offloader's 1 MiB at the samples)."""
+    return get_flavor("8B", n_layers=n_layers, dim=1024, n_heads=8, n_kv_heads=2, ffn_hidden_dim=2048, vocab_size=4096)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """The norm, the MLP and the loss in chunks of 256 tokens: a token quantum of 256 (few ops)."""
+    from titan_ulysses.ops import norm
+
+    monkeypatch.setattr(norm, "CHUNK_TOKENS", 256)
+    monkeypatch.setattr(track_extrapolation, "MIN_QUANTA", 6)  # extrapolate from 6 quanta on (not only from 32)
+    return Switches(ac_mode="full_offload", loss_chunk_size=256, mlp_tile_size=256)
+
+
+def test_layer_and_token_extrapolation_is_exact(small_chunks):
+    """Traced at 3 and 4 layers x 3 and 4 token quanta (checked at 5) and extrapolated to 5 layers x 6
+    quanta, every phase, its kinds and the host peak equal the step traced at 5 layers x 6 quanta, to the byte.
+    (Layer backward is extrapolated as its two lowest and two highest blocks: the phases both have.)"""
+    args, layout, seq = _small_8b(5), Layout(sp=2), 2 * 6 * 256
+    fast = track_step(args, layout, small_chunks, seq)
+    direct = track_step(args, layout, small_chunks, seq, extrapolate=False)
+    assert "3 and 4 layers x 1,536 and 2,048 tokens (on the line at 2,560)" in fast.traced, fast.traced
+    assert direct.traced == "traced at 5 layers x 3,072 tokens"
+    shared = [n for n in direct.phases if n in fast.phases]
+    assert len(shared) == len(fast.phases) and "loss backward" in shared
+    assert [(fast.phases[n].peak, fast.phases[n].kinds) for n in shared] == \
+        [(direct.phases[n].peak, direct.phases[n].kinds) for n in shared]
+    assert (fast.peak, fast.host_peak) == (direct.peak, direct.host_peak) and fast.host_peak > 0
+
+
+def test_off_the_line_is_traced_at_full_length(small_chunks, monkeypatch):
+    """Head-staged samples are on their lines, and an event one byte off is found; where the samples are not
+    affine (forced here), the step is traced at its full length and says so."""
+    import dataclasses
+
+    ex = track_extrapolation
+    args, layout, seq = _small_8b(2), Layout(sp=2), 2 * 6 * 256
+    switches = dataclasses.replace(small_chunks, head_stages=2)
+    check, seen = ex.off_the_line, []
+
+    def forced(a, b, c=None):
+        seen.append(check(a, b, c))
+        phase = "layer 0 backward"
+        key = max(c.events[phase], key=lambda k: c.events[phase][k][0])
+        c.events[phase][key][0] += 1
+        seen.append(check(a, b, c))
+        return "forced by the test"
+
+    monkeypatch.setattr(ex, "off_the_line", forced)
+    fallback = track_step(args, layout, switches, seq)
+    assert seen[0] == "" and seen[1].startswith("layer 0 backward: "), seen
+    direct = track_step(args, layout, switches, seq, extrapolate=False)
+    assert fallback.traced == "traced at 2 layers x 3,072 tokens (not extrapolated in tokens: forced by the test)"
+    assert dataclasses.replace(fallback, traced="") == dataclasses.replace(direct, traced="")
+
+
+def test_clipping_holds_no_global_shapes():
+    """At world 8 the clipping phase holds the sharded parameters, gradients and optimizer state and nothing
+    else: DTensor's sharding propagation, which runs ops on fake tensors of the global (unsharded) shapes to
+    learn their outputs' shapes, is not counted (it was: every parameter full-size in fp32)."""
+    args = get_flavor("debugmodel", n_layers=2, dim=256, n_heads=8, n_kv_heads=8, ffn_hidden_dim=512, vocab_size=1024)
+    step = track_step(args, Layout(sp=8), Switches(ac_mode="full", loss_chunk_size=256), 4096)
+    clip = step.phases["clip grad norm"].kinds
+    shard = 4 * args.num_params() / 8  # fp32, a world of 8
+    assert abs(clip["Sharded Param"] - shard) < 0.01 * shard and clip["Sharded Grad"] == clip["Sharded Param"]
+    assert 0 <= clip["OptState"] - 2 * clip["Sharded Param"] < 1024  # AdamW's two states and its step counters
+    # what else is there: the token inputs and the norms' fp32 scalars
+    rest = sum(v for k, v in clip.items() if k not in ("Sharded Param", "Sharded Grad", "OptState", "Inputs"))
+    assert rest < 4096, clip

@@ -28,13 +28,12 @@ it and counts FSDP's sharded parameters and gradients and the optimizer state as
 (FSDP keeps exactly those on the host; their transient device copies, one block's shard in
 an all-gather or reduce-scatter, are not counted).
 
-Cost: every op is a Python call into the tracker, so the time grows with the layers. A model
-of more than four layers is tracked at three and at four layers and each phase extrapolated
-to ``n_layers``: the blocks are identical, so every term of a phase is a constant or a sum of
-equal per-block terms, and a phase's bytes are affine in the number of blocks for a fixed
-position from the bottom or the top (layer backward is tracked as its two lowest and two
-highest blocks). ``tests/test_memory_track.py`` checks this against tracking all layers, to
-the byte.
+Cost: every op is a Python call into the tracker, so the time grows with the layers and with
+the tokens over the chunk sizes. ``track_extrapolation.py`` says which steps are traced (three and
+four layers; short lengths, each event's bytes extrapolated affinely in the tokens, checked on a
+third length, else the full length) and why that is exact; ``StepMemory.traced`` says what was.
+DTensor's sharding propagation runs ops on fake tensors of the global shapes to learn output
+shapes; that is not counted (``_sharding_metadata_unseen``).
 One artefact of the tracker itself: its wrapper of FSDP's post-backward keeps the last
 parameter's unsharded gradient referenced through the reduce-scatter; for the root that is
 the output weight (untied), so in a world of one, where the root's reduce-scatter is the
@@ -44,6 +43,8 @@ step's peak, the tracker counts ``a V D`` bytes more than a real step holds.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,12 @@ class StepMemory:
     host_peak: int = 0
     """Host memory at its peak over the step (bytes): full_offload's block inputs; with FSDP CPU offload,
     the sharded parameters, gradients and optimizer state."""
+    traced: str = ""
+    """What was traced to get these numbers (depths and lengths; extrapolated or not)."""
+    events: dict[str, dict[tuple, list]] | None = None
+    """With a keyed trace: phase -> event -> [device bytes, kinds, host bytes] at the event's largest."""
+    thresholds: list[str] = field(default_factory=list)
+    """Size thresholds that a tensor of this (sample) length is under and would pass at the target length."""
 
     @property
     def peak_phase(self) -> str:
@@ -97,24 +104,46 @@ CPU_OFFLOAD_KINDS = ("Sharded Param", "Sharded Grad", "OptState")
 
 
 class _PhasePeaks(TorchDispatchMode):
-    """After each op, the tracker's current device and host totals; the device's largest per phase."""
+    """After each op, the tracker's current device and host totals; the device's largest per phase.
 
-    def __init__(self, tracker, host_kinds: tuple[str, ...] = ()):
+    With ``keyed`` also the largest per phase and *event*: the op, the innermost line of this
+    project's code that ran it, the autograd node running (in backward) and the modules active
+    (``track_extrapolation.py`` extrapolates each event in tokens, then takes the phase's largest)."""
+
+    def __init__(self, tracker, host_kinds: tuple[str, ...] = (), keyed: bool = False):
         super().__init__()
         self.tracker = tracker
         self.host_kinds = host_kinds
         self.phase = "forward"
         self.phases: dict[str, Phase] = {}
         self.host_peak = 0
+        self.events: dict[str, dict[tuple, list]] | None = {} if keyed else None
+        self.forward_nodes = (0, 0)
+        """The autograd sequence numbers of the step's forward: [first, last + 1)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):  # as the tracker: let DTensor desugar to local ops first
             return NotImplemented
         out = func(*args, **(kwargs or {}))
-        self.record()
+        self.record(func)
         return out
 
-    def record(self) -> None:
+    def _event(self, func) -> tuple:
+        frame, lines = sys._getframe(2), []
+        while frame is not None and len(lines) < _EVENT_FRAMES:
+            name = frame.f_code.co_filename
+            if _PROJECT in name and not name.endswith("memory_track.py"):
+                lines.append(f"{name[name.index(_PROJECT) + len(_PROJECT):]}:{frame.f_lineno}")
+            frame = frame.f_back
+        line = " < ".join(lines)
+        node = torch._C._current_autograd_node()
+        if node is not None:  # a node of the forward by its place in it; one made in backward (a tile's
+            seq = node._sequence_nr()  # recompute) by its name: the same in every tile
+            node = (node.name(), seq - self.forward_nodes[0]) if seq < self.forward_nodes[1] else node.name()
+        parents = getattr(getattr(self.tracker, "_mod_tracker", None), "parents", ())
+        return str(func), line, node, frozenset(parents)
+
+    def record(self, func=None) -> None:
         # the tracker's own current snapshot, read without the deep copy get_tracker_snapshot() makes
         # (a third of the step's time: it runs after every op); only read here
         snap = getattr(self.tracker, "_curr_mem_snap", None)
@@ -136,6 +165,16 @@ class _PhasePeaks(TorchDispatchMode):
         phase = self.phases.setdefault(self.phase, Phase(self.phase, -1))
         if total > phase.peak:
             phase.peak, phase.kinds = total, kinds
+        if self.events is not None and func is not None:
+            event = self.events.setdefault(self.phase, {}).setdefault(self._event(func), [-1, {}, 0])
+            if total > event[0]:
+                event[0], event[1] = total, kinds
+            event[2] = max(event[2], host)
+
+
+_PROJECT = "titan_ulysses" + os.sep
+_EVENT_FRAMES = 3
+"""Lines of this project's code (innermost first) that name an event: ``upcast`` alone serves the norm and the loss."""
 
 
 def _phase_hooks(model, poller: _PhasePeaks) -> list:
@@ -203,13 +242,18 @@ def cuda_kernel_choices():
 
 
 @contextlib.contextmanager
-def _offload_to_fake_host(offloader: type):
+def _offload_to_fake_host(offloader: type, token_scale: float = 1.0, crossed: list | None = None):
     """``full_offload``'s copies go to the fake host device: what the offloader sends off a CUDA device
-    (its tensors of at least ``min_bytes``) leaves the tracked step's device here."""
+    (its tensors of at least ``min_bytes``) leaves the tracked step's device here. ``token_scale``:
+    the target length over the traced one; a tensor under ``min_bytes`` that would reach it at the
+    target length (if it grows with the tokens) is noted in ``crossed``."""
     from unittest import mock
 
     def offloadable(self, t):
-        return t.device.type != HOST.type and t.numel() * t.element_size() >= self.min_bytes
+        size = t.numel() * t.element_size()
+        if crossed is not None and t.device.type != HOST.type and size < self.min_bytes <= size * token_scale:
+            crossed.append(f"activation offload min_bytes {self.min_bytes}: a {tuple(t.shape)} tensor")
+        return t.device.type != HOST.type and size >= self.min_bytes
 
     def to_host(self, t):  # a fake tensor's contents are nothing to copy (and a copy would need CUDA)
         return torch.empty_like(t, device=HOST)
@@ -218,57 +262,82 @@ def _offload_to_fake_host(offloader: type):
         yield
 
 
-def tracked_layer_counts(n_layers: int, extrapolate: bool = True) -> tuple[int, ...]:
-    """The model depths :func:`track_step` traces (one step each): all layers, or three and four."""
-    return (n_layers,) if not extrapolate or n_layers <= 4 else (3, 4)
+@contextlib.contextmanager
+def _sharding_metadata_unseen():
+    """DTensor's sharding propagation learns an op's output shape by running the op on fake tensors of
+    the GLOBAL shapes (``ShardingPropagator._propagate_tensor_meta_non_cached``): in a real step those
+    are fake and cost nothing, but under the tracker's ``FakeTensorMode`` they were counted (every
+    parameter full-size in fp32 during the clipping's ``_foreach`` ops). Here that propagation runs
+    with the tracker's modes off, on a fake mode of its own: nothing it makes is counted."""
+    from unittest import mock
+
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def unseen(self, op_schema):
+        with _disable_current_modes():  # the propagation makes a fake mode of its own
+            return propagate(self, op_schema)
+
+    with mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached", unseen):
+        yield
 
 
 def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1,
                extrapolate: bool = True) -> StepMemory:
     """The memory of rank 0 over a steady-state step (the optimizer state exists, gradients do not).
 
-    With ``extrapolate`` and more than four layers: tracked at three and four layers, each phase
-    extrapolated to ``args.n_layers`` (see the module docstring)."""
+    With ``extrapolate``: traced at three and four layers (more than four) and at short lengths
+    (a long one), each phase extrapolated to ``args.n_layers`` and ``seq_len``
+    (``track_extrapolation.py``); ``StepMemory.traced`` says what was traced."""
     import dataclasses
 
-    depths = tracked_layer_counts(args.n_layers, extrapolate)
+    from titan_ulysses.metrics import track_extrapolation as ex
+
+    depths = ex.tracked_layer_counts(args.n_layers, extrapolate)
+    lengths, why = ex.sample_lengths(seq_len, layout, switches) if extrapolate else ((seq_len,), "")
+    at_depth = {n: dataclasses.replace(args, n_layers=n) for n in depths}
+    steps: dict[int, StepMemory] = {}
+    if len(lengths) > 1:
+        q = ex.token_quantum(layout, switches)
+        m = ex.local_tokens(seq_len, layout) // q
+        scale = {s: m * q / ex.local_tokens(s, layout) for s in lengths}
+        keyed = {(n, s): _track(at_depth[n], layout, switches, s, local_batch, keyed=True, token_scale=scale[s])
+                 for n in depths for s in lengths[:2]}
+        check = _track(at_depth[depths[-1]], layout, switches, lengths[2], local_batch, keyed=True,
+                       token_scale=scale[lengths[2]])
+        why = ex.off_the_line(keyed[depths[-1], lengths[0]], keyed[depths[-1], lengths[1]], check) or \
+            "".join(ex.off_the_line(keyed[n, lengths[0]], keyed[n, lengths[1]]) for n in depths[:-1])
+        if not why:
+            steps = {n: ex.at_length(keyed[n, lengths[0]], keyed[n, lengths[1]], m) for n in depths}
+            sampled = f"{' and '.join(f'{s:,}' for s in lengths[:2])} tokens (on the line at {lengths[2]:,})"
+    if not steps:
+        steps = {n: _track(at_depth[n], layout, switches, seq_len, local_batch) for n in depths}
+        sampled = f"{seq_len:,} tokens" + (f" (not extrapolated in tokens: {why})" if why else "")
+    layers = " and ".join(map(str, depths))
     if len(depths) == 1:
-        return _track(args, layout, switches, seq_len, local_batch)
-    small, large = (_track(dataclasses.replace(args, n_layers=n), layout, switches, seq_len, local_batch)
-                    for n in depths)
-    grow = args.n_layers - 4
-
-    def by_position(step: StepMemory, n: int) -> dict[str, Phase]:
-        out = {}
-        for name, phase in step.phases.items():
-            if name.startswith("layer "):
-                i = int(name.split()[1])
-                for key in (f"bottom {i}", f"top {n - 1 - i}"):
-                    if key in ("bottom 0", "bottom 1", "top 1", "top 0"):
-                        out[key] = phase
-            else:
-                out[name] = phase
-        return out
-
-    a, b = by_position(small, 3), by_position(large, 4)
-    phases: dict[str, Phase] = {}
-    for key, p4 in b.items():
-        p3 = a[key]
-        kinds = {k: v + grow * (v - p3.kinds.get(k, 0)) for k, v in p4.kinds.items()}
-        peak = p4.peak + grow * (p4.peak - p3.peak)
-        if key.startswith(("bottom", "top")):
-            i = int(key.split()[1])
-            key = f"layer {i if key.startswith('bottom') else args.n_layers - 1 - i} backward"
-        phases[key] = Phase(key, peak, kinds)
-    order = [n for n in b if not n.startswith(("bottom", "top"))]
-    layers = sorted((n for n in phases if n.startswith("layer ")), key=lambda n: -int(n.split()[1]))
-    at = order.index("embedding backward") if "embedding backward" in order else len(order)
-    names = order[:at] + layers + order[at:]
-    host = large.host_peak + grow * (large.host_peak - small.host_peak)
-    return StepMemory(peak=max(p.peak for p in phases.values()), phases={n: phases[n] for n in names}, host_peak=host)
+        step = steps[depths[0]]
+    else:
+        step = ex.to_depth(steps[depths[0]], steps[depths[1]], args.n_layers)
+    extrapolated = len(depths) > 1 or len(lengths) > 1 and not why
+    step.traced = f"traced at {layers} layers x {sampled}" + \
+        (f", extrapolated to {args.n_layers} layers x {seq_len:,} tokens" if extrapolated else "")
+    step.events = None
+    return step
 
 
-def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1) -> StepMemory:
+def tracked_layer_counts(n_layers: int, extrapolate: bool = True) -> tuple[int, ...]:
+    """The model depths :func:`track_step` traces (one step each): all layers, or three and four."""
+    from titan_ulysses.metrics.track_extrapolation import tracked_layer_counts as counts
+
+    return counts(n_layers, extrapolate)
+
+
+def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1,
+           keyed: bool = False, token_scale: float = 1.0) -> StepMemory:
+    """One step traced as it is (``keyed``: with the per-event largest; ``token_scale``: the length this
+    trace stands for over ``seq_len``, for the size thresholds)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -287,7 +356,9 @@ def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, lo
     dtype = torch.bfloat16 if switches.act_bytes == 2 else torch.float32
     compute = _compute(switches)
     host_kinds = CPU_OFFLOAD_KINDS if switches.cpu_offload else ()
-    with _fake_world(world), cuda_kernel_choices(), _offload_to_fake_host(ActivationOffloader):
+    crossed: list[str] = []
+    with _fake_world(world), cuda_kernel_choices(), _offload_to_fake_host(ActivationOffloader, token_scale, crossed), \
+            _sharding_metadata_unseen():
         pd = ParallelDims(dp_shard=layout.dp_shard, cp=layout.cp, sp=layout.sp, tp=layout.tp, world_size=world)
         pd.build_mesh("cpu")
         with torch.device("meta"):
@@ -308,7 +379,9 @@ def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, lo
                     if i and hasattr(tracker, "reset_mod_stats"):
                         tracker.reset_mod_stats()  # FSDPMemTracker refuses a second forward otherwise
                     poller.phase = "forward"
+                    first = torch._C._autograd._get_sequence_nr()
                     loss = model(mb.tokens, positions=mb.positions, labels=mb.labels) / 1000.0
+                    poller.forward_nodes = (first, torch._C._autograd._get_sequence_nr())
                     poller.phase = "loss backward"
                     loss.backward()
                 poller.phase = "clip grad norm"
@@ -331,7 +404,7 @@ def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, lo
             with tracker:
                 if hasattr(tracker, "track_inputs"):
                     tracker.track_inputs(tuple((mb.tokens, mb.labels, mb.positions) for mb in batches))
-                poller = _PhasePeaks(tracker, host_kinds)
+                poller = _PhasePeaks(tracker, host_kinds, keyed)
                 handles = _phase_hooks(model, poller)
                 try:
                     with poller:
@@ -340,7 +413,8 @@ def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, lo
                     for h in handles:
                         h.remove()
     return StepMemory(peak=max(p.peak for p in poller.phases.values()), phases=poller.phases,
-                      host_peak=poller.host_peak)
+                      host_peak=poller.host_peak, traced=f"{args.n_layers} layers x {seq_len:,} tokens",
+                      events=poller.events, thresholds=sorted(set(crossed)))
 
 
 def _compute(switches: Switches):

@@ -1,0 +1,169 @@
+"""Which steps ``memory_track.track_step`` traces, and how it extrapolates them in layers and tokens.
+
+Every op of a traced step is a Python call into the tracker, so a step costs time in proportion
+to its ops, and those grow with the layers and with the tokens over the chunk sizes (the norm's
+``CHUNK_TOKENS``, the MLP's tiles, the loss's chunks). Neither the layers nor the tokens change
+what a phase holds except by adding equal terms, so a long deep step is traced short and shallow
+and extrapolated; ``tests/test_memory_track.py`` compares both against direct traces, to the byte.
+
+Layers: the blocks are identical, so every term of a phase is a constant or a sum of equal
+per-block terms, and a phase's bytes are affine in the number of blocks for a fixed position
+from the bottom or the top (layer backward is traced as its two lowest and two highest blocks):
+traced at three and four layers.
+
+Tokens: every kernel here keeps memory linear in the tokens, as on CUDA (attention is sdpa with
+CUDA's kernel choices, flash-style, no ``[S, S]`` tensor; the tracked step is one document, so
+sdpa's dense document mask never arises), and every loop over tokens runs fixed-size chunks.
+A rank's local token count ``T`` that is a multiple ``m q`` of every chunk (``q``: the lcm of
+the norm's chunk, the MLP tile, the loss chunk and, under cp, twice sdpa's query block) makes
+each loop run ``m`` equal chunks; what an op sees live at a given point of a loop is then
+constants (weights, FSDP buffers, one chunk's temporaries) plus tensors of ``T`` rows (inputs,
+outputs, saved activations) plus ``k`` equal chunk results kept so far (the tiled MLP's outputs
+before their ``cat``), whose largest, ``k = m``, is also ``m``-proportional: affine in ``T``.
+A phase's peak is the largest of many such events (an op, at the lines of this project's code
+that ran it, in the modules active, under the autograd node running: a node of the forward by its
+place in the forward, which has as many nodes at any length), each affine with its own slope, and
+the event that is the largest at a short length (a loss chunk's 4 GiB of logits) need not be the
+largest at the target (a stage's full-sequence q, k, v): each event is extrapolated on its own and
+the phase takes the largest at the target. Sampled at ``3q`` and ``4q`` -- a loop's first two
+chunks differ from the rest (the tiled MLP's backward holds the previous tile's weight gradients
+beside their sum only from its third tile on), and an MLP of one tile is not tiled -- and checked
+at ``5q``: if any event of any phase, or the host peak, is off its line by a byte, or a size
+threshold would be crossed between the samples and the target (the offloader keeps tensors
+under ``min_bytes`` on the device), the step is traced at the full length instead, and
+``StepMemory.traced`` says so.
+
+What the check cannot see: events that share a key (the same op at the same lines in the same
+modules under the same node) but differ in their constants and slopes, and swap places only
+beyond ``5q``; and a loop whose chunks settle only after the fourth.
+"""
+
+from __future__ import annotations
+
+import math
+
+from titan_ulysses.metrics.memory_estimate import Layout, Switches
+
+SAMPLES = (3, 4)
+"""Multiples of the token quantum traced; the line through them is checked at ``CHECK``."""
+CHECK = 5
+MIN_QUANTA = 32
+"""Lengths of fewer token quanta per rank are traced as they are: the three short traces (12 quanta
+and three model builds) cost more (Llama-3-8B at 16 quanta: 28.5 s of CPU against 19 s traced whole)."""
+
+
+def tracked_layer_counts(n_layers: int, extrapolate: bool = True) -> tuple[int, ...]:
+    """The model depths :func:`track_step` traces (one step each): all layers, or three and four."""
+    return (n_layers,) if not extrapolate or n_layers <= 4 else (3, 4)
+
+
+def token_quantum(layout: Layout, switches: Switches) -> int:
+    """The local tokens per rank of which every token loop runs whole chunks (see the module docstring)."""
+    from titan_ulysses.ops import norm
+    from titan_ulysses.ops.attention.sdpa import BLOCK
+
+    sizes = [norm.CHUNK_TOKENS, switches.mlp_tile_size, switches.loss_chunk_size, 2 * BLOCK if layout.cp > 1 else 0]
+    return math.lcm(*(s for s in sizes if s > 0))
+
+
+def local_tokens(seq_len: int, layout: Layout) -> int:
+    from titan_ulysses.data.sharding import padded_length
+
+    return padded_length(seq_len, layout.sp, layout.cp) // (layout.sp * layout.cp)
+
+
+def sample_lengths(seq_len: int, layout: Layout, switches: Switches) -> tuple[tuple[int, ...], str]:
+    """The sequence lengths to trace (two samples and the check) and ``""``, or ``(seq_len,)`` and why."""
+    q, local = token_quantum(layout, switches), local_tokens(seq_len, layout)
+    if local % q:
+        return (seq_len,), f"{local:,} tokens per rank are not a multiple of the chunks' {q:,}"
+    if local < MIN_QUANTA * q:
+        return (seq_len,), ""  # short enough to trace
+    per_rank = layout.sp * layout.cp
+    return tuple(k * q * per_rank for k in (*SAMPLES, CHECK)), ""
+
+
+def _line(a: int, b: int, m: int) -> int:
+    """The value at ``m`` quanta on the line through ``a`` at ``SAMPLES[0]`` and ``b`` at ``SAMPLES[1]``."""
+    return a + (b - a) * (m - SAMPLES[0]) // (SAMPLES[1] - SAMPLES[0])
+
+
+def _kinds(a: dict, b: dict, m: int) -> dict:
+    return {k: _line(a.get(k, 0), b.get(k, 0), m) for k in {**a, **b}}
+
+
+def off_the_line(a, b, c=None) -> str:
+    """Where the keyed steps ``a``, ``b`` (the samples) and ``c`` (the check) are not affine; ``""``
+    where they are, to the byte. Without ``c``: only whether ``a`` and ``b`` have the same events."""
+    for step in (a, b, c or a):
+        if step.thresholds:
+            return f"a size threshold lies between the samples and the target ({step.thresholds[0]})"
+    if c is None:
+        same = a.events.keys() == b.events.keys() and all(a.events[p].keys() == b.events[p].keys() for p in a.events)
+        return "" if same else "the ops differ between the samples"
+    if a.events.keys() != b.events.keys() or b.events.keys() != c.events.keys():
+        return "the phases differ between the samples"
+    for phase, ev_c in c.events.items():
+        ev_a, ev_b = a.events[phase], b.events[phase]
+        if not ev_a.keys() == ev_b.keys() == ev_c.keys():
+            return f"{phase}: the ops differ between the samples"
+        for key, (dev, kinds, host) in ev_c.items():
+            (da, ka, ha), (db, kb, hb) = ev_a[key], ev_b[key]
+            if _line(da, db, CHECK) != dev or _line(ha, hb, CHECK) != host or _kinds(ka, kb, CHECK) != \
+                    {k: kinds.get(k, 0) for k in {**ka, **kb, **kinds}}:
+                return f"{phase}: {key[0]} at {key[1]} is {dev:,} bytes, not {_line(da, db, CHECK):,} on the line"
+    return ""
+
+
+def at_length(a, b, m: int):
+    """The step of the keyed samples ``a``, ``b`` (one depth) at ``m`` token quanta: each event on its line,
+    each phase the largest of its events there."""
+    from titan_ulysses.metrics.memory_track import Phase, StepMemory
+
+    phases, host = {}, 0
+    for name, ev_b in b.events.items():
+        best = None
+        for key, (db, kb, hb) in ev_b.items():
+            da, ka, ha = a.events[name][key]
+            dev = _line(da, db, m)
+            host = max(host, _line(ha, hb, m))
+            if best is None or dev > best[0]:
+                best = (dev, ka, kb)
+        phases[name] = Phase(name, best[0], _kinds(best[1], best[2], m))
+    return StepMemory(peak=max(p.peak for p in phases.values()), phases=phases, host_peak=host)
+
+
+def to_depth(small, large, n_layers: int):
+    """Steps at three (``small``) and four (``large``) layers -> the step at ``n_layers`` (module docstring)."""
+    from titan_ulysses.metrics.memory_track import Phase, StepMemory
+
+    grow = n_layers - 4
+
+    def by_position(step, n: int) -> dict:
+        out = {}
+        for name, phase in step.phases.items():
+            if name.startswith("layer "):
+                i = int(name.split()[1])
+                for key in (f"bottom {i}", f"top {n - 1 - i}"):
+                    if key in ("bottom 0", "bottom 1", "top 1", "top 0"):
+                        out[key] = phase
+            else:
+                out[name] = phase
+        return out
+
+    a, b = by_position(small, 3), by_position(large, 4)
+    phases = {}
+    for key, p4 in b.items():
+        p3 = a[key]
+        kinds = {k: v + grow * (v - p3.kinds.get(k, 0)) for k, v in p4.kinds.items()}
+        peak = p4.peak + grow * (p4.peak - p3.peak)
+        if key.startswith(("bottom", "top")):
+            i = int(key.split()[1])
+            key = f"layer {i if key.startswith('bottom') else n_layers - 1 - i} backward"
+        phases[key] = Phase(key, peak, kinds)
+    order = [n for n in b if not n.startswith(("bottom", "top"))]
+    layers = sorted((n for n in phases if n.startswith("layer ")), key=lambda n: -int(n.split()[1]))
+    at = order.index("embedding backward") if "embedding backward" in order else len(order)
+    names = order[:at] + layers + order[at:]
+    host = large.host_peak + grow * (large.host_peak - small.host_peak)
+    return StepMemory(peak=max(p.peak for p in phases.values()), phases={n: phases[n] for n in names}, host_peak=host)
