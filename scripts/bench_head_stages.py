@@ -11,6 +11,9 @@ load: plain attention, stages that keep their attention kernel's outputs
 too (``false``). Prints the median time of each and each staged variant's ratio to plain in
 the same repeat (above 1 = slower). Each stage is a checkpoint that recomputes its projections,
 RoPE and (with sp > 1) exchanges in backward; without keeping, its attention kernel as well.
+On a shared machine use ``--threads 1`` (and ``--clock process``): with more threads than free
+cores every op waits for its slowest thread, and the stages' four times as many (smaller) ops
+pay that wait four times as often, which is the machine's load, not the stages' work.
 """
 
 from __future__ import annotations
