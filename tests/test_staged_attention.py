@@ -4,6 +4,9 @@ Model-level cases compare the loss and every parameter gradient with a single-pr
 reference (fp32, rtol 1e-5) on layouts that exercise each head split: kv heads split evenly,
 kv heads replicated, uneven heads, cp, one process; with selective, full and offloaded AC.
 The compile case traces a staged block with ``fullgraph=True`` against the plain Ulysses block.
+The kernel-count case checks what ``ulysses_stage_keep_attention`` is for: kept, the stages run
+the attention kernel as often as plain attention does and hold its outputs between forward and
+backward exactly when plain attention does (never under full AC: no leak).
 """
 
 import copy
@@ -11,10 +14,13 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from dist_utils import assert_close, run_distributed
 from model_harness import build_pair, clean_name, full, make_batch, parallel_step, reference_step, small_args
 from titan_ulysses.data.sharding import shard_batch
+from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.staged_attention import apply_head_stages, check_head_stages, stage_plans
 from titan_ulysses.distributed.ulysses import apply_ulysses
@@ -24,11 +30,12 @@ from titan_ulysses.models.llama.parallelize import ParallelizeOptions
 SEQ_LEN = 13
 
 
-def _staged_matches_single_process(layout, ac_mode, stages, overrides):
+def _staged_matches_single_process(layout, ac_mode, stages, overrides, keep):
     pd = ParallelDims(**layout, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
     args = small_args(**overrides)
-    options = ParallelizeOptions(ac_mode=ac_mode, param_dtype=torch.float32, ulysses_head_stages=stages)
+    options = ParallelizeOptions(ac_mode=ac_mode, param_dtype=torch.float32, ulysses_head_stages=stages,
+                                 ulysses_stage_keep_attention=keep)
     ref, model = build_pair(args, pd, options)
     assert sum(type(m).__name__.startswith("HeadStaged") for m in model.modules()) == args.n_layers
     # trained-like weights: scale the attention projections so a head routed to the wrong
@@ -50,7 +57,7 @@ def _staged_matches_single_process(layout, ac_mode, stages, overrides):
 
 
 CASES = {
-    # id: (world, layout, ac mode, stages, model overrides)
+    # id: (world, layout, ac mode, stages, model overrides[, stage_keep_attention: True unless given])
     # 8 heads, 2 kv heads at sp=2: 4 q heads and one kv head per rank, two stages of 2 q heads sharing it
     "sp2-stages2": (2, dict(sp=2), "none", 2, {}),
     # kv heads replicated to 4 ranks, one q head per stage: each stage exchanges the kv head again
@@ -61,13 +68,16 @@ CASES = {
     "cp2-sp2-stages4-ac-full-offload": (4, dict(cp=2, sp=2), "full_offload", 4, dict(n_kv_heads=8)),
     # one process: the stages without any exchange, qkv biases and qk norms
     "one-process-stages4": (1, dict(), "none", 4, dict(qkv_bias=True, qk_norm=True)),
+    # the stages recompute their attention kernel too (ulysses_stage_keep_attention = false)
+    "sp2-stages2-full-no-keep": (2, dict(sp=2), "full", 2, {}, False),
+    "sp4-kv-replicated-stages2-selective-no-keep": (4, dict(sp=4), "selective", 2, {}, False),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_staged_matches_single_process(case):
-    world, layout, ac_mode, stages, overrides = CASES[case]
-    run_distributed(_staged_matches_single_process, world, layout, ac_mode, stages, overrides)
+    world, layout, ac_mode, stages, overrides, *keep = CASES[case]
+    run_distributed(_staged_matches_single_process, world, layout, ac_mode, stages, overrides, *(keep or [True]))
 
 
 def _compiled_staged_block_matches_plain(overrides, stages):
@@ -131,3 +141,50 @@ def test_refusals_name_the_setting():
     with pytest.raises(ValueError, match=r"^parallelism.ulysses_head_stages 2 does not combine with "
                                          r"tensor_parallel_degree 2"):
         check_head_stages(2, 32, 8, 2, tp=2)
+
+
+class _CountAttention(TorchDispatchMode):
+    """Heads the CPU attention kernel attends (summed over its calls) and a weak reference to each output."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads, self.outputs = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.heads += args[0].shape[1]  # q [B, H, S, Dh]
+            self.outputs.append(StorageWeakRef(out[0].untyped_storage()))
+        return out
+
+
+@pytest.mark.parametrize("ac_mode", ["none", "selective", "full"])
+def test_kept_stages_run_the_kernel_as_plain_attention_does(ac_mode):
+    torch.manual_seed(0)
+    args = small_args(n_layers=2)
+    base = Transformer(args)
+    base.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    x = base.tok_embeddings(tokens).detach() * 4  # [B, S, D]
+    rope = base.rope(torch.arange(16))
+    runs = {}
+    for name, stages, keep in (("plain", 1, True), ("kept", 4, True), ("recomputed", 4, False)):
+        model = copy.deepcopy(base)
+        apply_head_stages(model, stages, keep)
+        apply_ac(model, ac_mode)
+        xi = x.clone().requires_grad_()
+        with _CountAttention() as count:
+            h = xi
+            for layer in model.layers.values():
+                h = layer(h, rope)
+            forward = count.heads
+            held = sum(not ref.expired() for ref in count.outputs)  # kernel outputs alive until backward
+            h.square().sum().backward()
+        runs[name] = (forward, count.heads - forward, bool(held), xi.grad)
+        assert not any(getattr(m, "_stage_kept", None) for m in model.modules())  # every hand-over consumed
+    plain, kept, recomputed = runs["plain"], runs["kept"], runs["recomputed"]
+    assert kept[:3] == plain[:3], (kept[:3], plain[:3])  # heads attended in forward, in backward; outputs held
+    assert recomputed[0] == plain[0] and recomputed[1] == plain[1] + plain[0]  # one more kernel run per stage
+    assert plain[2] == (ac_mode != "full")
+    for other in (kept, recomputed):
+        assert_close(other[3], plain[3], "input grad", rtol=1e-4, atol=1e-5)

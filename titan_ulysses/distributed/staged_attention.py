@@ -11,8 +11,9 @@ heads are split into G groups and the attention layer runs G stages; stage g
 4. exchanges the output back                                               ``[B, S/P, P*h, Dh]``
 5. adds its share of the output projection (columns of ``wo``)             ``[B, S/P, D]``
 
-Each stage is an activation checkpoint of its own (it keeps only its input; backward
-recomputes the stage, then runs its backward), so forward and backward both hold one
+Each stage is an activation checkpoint of its own (it keeps only its input and, with
+``parallelism.ulysses_stage_keep_attention``, its attention kernel's outputs: ``stage_keep.py``;
+backward recomputes the stage, then runs its backward), so forward and backward both hold one
 stage's full-sequence q/k/v/out and their gradients at a time: ``1/G`` of plain Ulysses'
 attention working set. The sum of the stages equals the plain layer (same heads, same kv
 heads per q head; only the output projection's summation order differs).
@@ -38,6 +39,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from titan_ulysses.distributed.heads import HeadPlan, head_plan, is_even
+from titan_ulysses.distributed.stage_keep import stage_contexts
 from titan_ulysses.distributed.ulysses import UlyssesAttention, head_to_seq, head_to_seq_uneven, seq_to_head, \
     seq_to_head_uneven
 from titan_ulysses.models.llama.model import apply_rope
@@ -170,9 +172,10 @@ class HeadStagedAttention:
         if sp > 1:
             inner._check_slice(x)
         out = None
-        for plan in plans:
+        for g, plan in enumerate(plans):
+            keep = {"context_fn": functools.partial(stage_contexts, self, g)} if self.stage_keep_attention else {}
             part = checkpoint(self._stage, x, rope[0], rope[1], attention_mask, plan,
-                              use_reentrant=False, preserve_rng_state=False)  # [B, S/P, D]
+                              use_reentrant=False, preserve_rng_state=False, **keep)  # [B, S/P, D]
             out = part if out is None else out + part  # [B, S/P, D]
         return out
 
