@@ -105,12 +105,13 @@ def test_each_switch_moves_its_term():
     # the loss backward phase trades the logits for the chunked loss's fp32 [V, D] and [T, D] gradients
     assert plain.phases["loss backward"] - chunked.phases["loss backward"] == pytest.approx(
         plain.logits - chunked.logits - chunked.loss_weight_gradient)
-    # tiled MLP: one 2048-token tile's recompute and gradients (6 [tile, F] tensors) and the MLP
-    # weights' gradient summed over tiles, instead of two [T, F] gradients beside the recompute
+    # tiled MLP (ops/tiled.py): the output's and input's [T, D] gradients beside one 2048-token tile's recompute
+    # and gradients (6 [tile, F] and 2 [tile, D] tensors) and the MLP weights' gradients (sums, the previous
+    # tile's and the one being made: 7 [D, F]), instead of two [T, F] gradients beside the recompute
     tiled = estimate(args, Layout(sp=8), dataclasses.replace(base, mlp_tile_size=2048), 131072)
     f, d = args.ffn_hidden_dim, args.dim
     assert plain.mlp_working_set == pytest.approx(2 * 2 * f * 16384)
-    assert tiled.mlp_working_set == pytest.approx(6 * 2 * f * 2048 + 2 * 2 * 3 * d * f)
+    assert tiled.mlp_working_set == pytest.approx(2 * 2 * d * 16384 + 2 * (6 * f + 2 * d) * 2048 + 7 * 2 * d * f)
     double = estimate(args, Layout(sp=4), base, 131072)  # (at sp=16 kv heads would be replicated)
     assert plain.saved_activations == pytest.approx(double.saved_activations / 2, rel=0.02)
     offload = estimate(args, Layout(sp=8), dataclasses.replace(base, cpu_offload=True), 131072)

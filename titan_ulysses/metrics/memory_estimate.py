@@ -28,7 +28,9 @@ What autograd keeps per layer and local token without activation checkpointing, 
 Selective AC keeps the matmul, attention and all-to-all outputs (``a(q + 2kv) + 2aD + 2aF``,
 the attention terms and the block input; with a tiled MLP, whose matmuls run inside its
 own recompute, not ``aD + 2aF``: ``distributed/activation_checkpoint.py``); full AC keeps
-the block input ``aD``; full_offload keeps it in host memory. Under AC the backward of a layer holds again what
+the block input ``aD``; full_offload keeps it in host memory, and under both the block's bf16 RoPE copies stay
+on the device (the checkpoint holds the ``(cos, sin)`` tuple itself, which no saved-tensor hook sees, so
+``activation_offload.py`` cannot move it: ``a Dh`` per token and layer). Under AC the backward of a layer holds again what
 its mode did not keep (the recompute, ``layer_recompute``; under selective AC with cp, the
 gathered K/V stay beside the prefixes recomputed from them).
 
@@ -57,7 +59,8 @@ the next all-gather. The phases:
   are linear in the layer index between them): the sharded gradients of the blocks
   after it, the root's parameters and the output weight's gradient in the compute dtype,
   this block's unsharded parameters and gradients and the next block's all-gather
-  (``unsharded_working_params``; block 0 has no next), the previous block's fp32
+  (``unsharded_working_params``; block 0 has no next; under full_offload also the next block's input,
+  ``aD`` per token, which comes back from the host while this block runs its backward), the previous block's fp32
   reduce-scatter input, which FSDP keeps until the next reduce-scatter
   (``reduce_scatter``), the saved activations of
   this layer and the ones below, the recompute, and the largest of the attention's, the
@@ -69,7 +72,8 @@ the next all-gather. The phases:
   parameters, the output weight's and the embeddings' gradients, block 0's reduce-scatter
   input) and the root's reduce-scatter (its gradients in the compute dtype and their fp32
   reduce-scatter input; the root's parameters are resharded before it; in a world of one,
-  the input beside a full-size output and FSDP's out-of-place division; ``root_gradients``);
+  the input beside a full-size output and FSDP's out-of-place division, and the output weight's
+  gradient, the last root gradient, unless the embeddings are tied; ``root_gradients``);
 * the optimizer step: parameters, gradients and states (the fused AdamW of CUDA allocates
   no temporaries).
 
@@ -77,8 +81,16 @@ The forward of a layer holds less than its backward (no gradients), so it is not
 here. Working sets, counted at their peak: the attention's (the all-to-all send and receive
 buffers and attention gradients, ``3 a (q + 2 r kv)`` per token) and the MLP's backward (its
 output's gradient, the SiLU and product gradients beside the recomputed intermediates,
-``2aF`` per token beyond the recompute; tiled: the recompute of one tile too, ``6aF`` per
-tile token, and the MLP weights' gradient summed over tiles, ``2 a 3DF``).
+``2aF`` per token beyond the recompute; tiled, ``ops/tiled.py``: the output's and the input's
+gradients, ``2aD`` per token, beside one tile's recompute and backward, ``6aF + 2aD`` per tile
+token, and the MLP weights' gradients -- their sums over the tiles before, the previous tile's and
+the one being made, ``7 a DF``; under AC the recompute's forward before it holds the tiles'
+outputs and their concatenation, ``2aD`` per token, beside the output's gradient instead. The
+tiled MLP's backward comes first in the block's: none of the block's gradients exist yet.
+At one GPU and millions of tokens that is the peak: the 1B shape's whole 2M tokens over one rank
+hold eight ``[T, D]`` tensors at the concatenation under full_offload: the block's input, the
+next one's, the two norms' outputs, the residual, the output's gradient, the tiles and the
+concatenation).
 CPU offload moves the sharded parameters, gradients and optimizer state to host memory.
 Not modelled: the CUDA context and NCCL buffers (about 1-3 GiB on an H100), allocator
 fragmentation, CUDA kernels' workspaces (cuBLAS, the flash attention backward's fp32 dq
@@ -259,8 +271,8 @@ def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: st
     if layout.cp > 1:  # selective AC keeps the all-gather's output and recomputes the prefixes cut from it
         attention += a * 2 * layout.cp * kva if mode == "selective" else _cp_kv_per_token(args, layout, s)
     rope = a * args.head_dim if a < 4 else 0  # the block's bf16 cos and sin, [T, Dh/2] each
-    if mode in ("full", "full_offload"):
-        return a * d + rope if mode == "full" else 0.0
+    if mode in ("full", "full_offload"):  # full_offload: the input goes to the host; the RoPE tuple stays
+        return a * d + rope if mode == "full" else float(rope)
     if mode == "selective":
         # the MLP's matmul outputs (w1, w3, w2), untiled; tiled, nothing (its input is recomputed too)
         mlp = 0 if s.mlp_tile_size else 2 * a * f + a * d
@@ -327,8 +339,12 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     if s.head_stages > 1:  # one stage at a time: what it holds and its backward's working set
         stage_held, stage_ws = stage_bytes_per_token(args, layout, s)
         attention_ws = (stage_held + stage_ws) * tokens + 2 * cp_kv
-    if s.mlp_tile_size:  # one tile's recompute and gradients; the MLP weights' gradients summed over tiles
-        mlp_ws = 6 * a * f * min(s.mlp_tile_size, tokens) + 2 * a * 3 * d * f
+    if s.mlp_tile_size:  # ops/tiled.py: see the module docstring
+        tile = min(s.mlp_tile_size, tokens)
+        tile_ws = 6 * a * f * tile + 2 * a * d * tile + 7 * a * d * f
+        # beside the output's gradient: the input's gradient and one tile's backward; under AC, the
+        # recompute's forward holds the tiles' outputs and their concatenation instead
+        mlp_ws = a * d * tokens + max(a * d * tokens + tile_ws, 2 * a * d * tokens if s.ac_mode != "none" else 0.0)
     else:
         mlp_ws = 2 * a * f * tokens
     if s.lora_rank:  # the adapters' gradient of the MLP input beside the base projections' (measured)
@@ -352,7 +368,9 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     # by the divide factor, which FSDP computes out of place) and beside the last root gradient,
     # which FSDP still holds then (the output weight's, [vocab, D]): 1 GiB for Llama-3-8B in bf16,
     # which the tracker found missing at 1, 2 and 3 ranks
-    root_grads = max((a + 4) * other, 4 * other * (1 + 1 / n + (1 if n == 1 else 0)) + out_grad)
+    # (tied embeddings: the last root gradient is the final norm's)
+    root_grads = max((a + 4) * other, 4 * other * (1 + 1 / n + (1 if n == 1 else 0))
+                     + (0.0 if args.tie_embeddings else out_grad))
     # the embeddings' backward, before it: the root still unsharded, the output weight's gradient,
     # the embeddings' own (tied: and their sum), the gradient of the embeddings' output and
     # block 0's reduce-scatter input
@@ -369,13 +387,17 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
         done = earlier or (args.n_layers - 1 - i) * block_grad
         held = rs_block if i < args.n_layers - 1 else 0.0  # the reduce-scatter input of block i + 1
         prefetch = one_block if i > 0 else 0.0  # block i - 1's all-gather
+        if s.ac_mode == "full_offload" and i > 0:  # and its input, on its way back from the host
+            prefetch += a * d * tokens
         return (rest + done + working - one_block + prefetch + out_grad + held
                 + (i + 1) * per_layer * tokens + recompute + layer_ws)
 
     # a layer's ffn_norm backward (after the MLP's backward freed its intermediates): the norm's fp32
     # temporaries and two residual-stream gradients beside the rest of the layer's activations
     norm_ws = norm_bwd + 2 * a * d * tokens - (a * d + (0 if s.mlp_tile_size else 4 * a * f)) * tokens
-    layer_ws = max(attention_ws, mlp_ws, norm_ws)
+    # the tiled MLP's backward (and, under AC, the recompute's forward before it) comes first in the block's
+    # backward: none of the block's gradients exist yet (its weights' gradients are the tiles' sums, above)
+    layer_ws = max(attention_ws, mlp_ws - (a * trained if s.mlp_tile_size else 0.0), norm_ws)
     last = args.n_layers - 1
     phases = {
         "loss forward": rest + earlier + root + one_block + saved + max(loss_fwd, norm_fwd),
