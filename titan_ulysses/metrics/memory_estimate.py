@@ -14,7 +14,8 @@ What autograd keeps per layer and local token without activation checkpointing, 
 
 * RMSNorm x2: its input and one fp32 scale per token, ``aD + 4`` each (``ops/norm.py``);
 * the q/k/v projections' input (the norm output): ``aD``;
-* RoPE on q and k: its fp32 cos/sin tables are shared by all layers, but in bf16 FSDP casts
+* RoPE on q and k: its fp32 cos/sin tables are shared by all layers (``4 Dh`` per token, once,
+  with the final norm's input: the root holds them to the end of backward), but in bf16 FSDP casts
   every block's floating-point inputs to the compute dtype (``MixedPrecisionPolicy``'s
   ``cast_forward_inputs``), so each block keeps its own bf16 copy of both: ``a Dh`` (kept
   under every AC mode: they are the checkpoint's inputs; fp32: no copy);
@@ -28,11 +29,12 @@ What autograd keeps per layer and local token without activation checkpointing, 
 Selective AC keeps the matmul, attention and all-to-all outputs (``a(q + 2kv) + 2aD + 2aF``,
 the attention terms and the block input; with a tiled MLP, whose matmuls run inside its
 own recompute, not ``aD + 2aF``: ``distributed/activation_checkpoint.py``); full AC keeps
-the block input ``aD``; full_offload keeps it in host memory, and under both the block's bf16 RoPE copies stay
-on the device (the checkpoint holds the ``(cos, sin)`` tuple itself, which no saved-tensor hook sees, so
-``activation_offload.py`` cannot move it: ``a Dh`` per token and layer). Under AC the backward of a layer holds again what
-its mode did not keep (the recompute, ``layer_recompute``; under selective AC with cp, the
-gathered K/V stay beside the prefixes recomputed from them).
+the block input ``aD``; full_offload keeps it in host memory, and under both the block's bf16
+RoPE copies stay on the device (the checkpoint holds the ``(cos, sin)`` tuple itself, which no
+saved-tensor hook sees, so ``activation_offload.py`` cannot move it: ``a Dh`` per token and
+layer). Under AC the backward of a layer holds again what its mode did not keep (the recompute,
+``layer_recompute``; under selective AC with cp, the gathered K/V stay beside the prefixes
+recomputed from them).
 
 The peak is the largest of the phases of a steady-state step (``Estimate.phases``), each
 checked against PyTorch's ``FSDPMemTracker`` under fake tensors on CPU
@@ -59,10 +61,10 @@ the next all-gather. The phases:
   are linear in the layer index between them): the sharded gradients of the blocks
   after it, the root's parameters and the output weight's gradient in the compute dtype,
   this block's unsharded parameters and gradients and the next block's all-gather
-  (``unsharded_working_params``; block 0 has no next; under full_offload also the next block's input,
-  ``aD`` per token, which comes back from the host while this block runs its backward), the previous block's fp32
-  reduce-scatter input, which FSDP keeps until the next reduce-scatter
-  (``reduce_scatter``), the saved activations of
+  (``unsharded_working_params``; block 0 has no next; under full_offload also the input of the
+  block below, ``aD`` per token, on its way back from the host while this block runs its
+  backward), the previous block's fp32 reduce-scatter input, which FSDP keeps until the next
+  reduce-scatter (``reduce_scatter``), the saved activations of
   this layer and the ones below, the recompute, and the largest of the attention's, the
   MLP's and the ffn_norm's backward working sets (the last: its fp32 temporaries, as the
   final norm's below, and two residual-stream gradients, once the MLP's intermediates are
@@ -106,8 +108,22 @@ keeps no attention tensor and no output-projection input past its backward (each
 own checkpoint, keeping only the norm's output, counted above); its backward holds one stage at
 a time: the stage's projected q/k/v, exchanged buffer, output, logsumexp, returned output and its
 share of the layer output, beside that stage's attention working set
-(``stage_bytes_per_token``). Against the tracker: +3.1% at the 8B's 6M tokens over sp=8 (the
-peak); a layer's backward 3.3% under at 256K (not the peak there; ``tests/test_memory_track.py``).
+(``stage_bytes_per_token``). With ``Switches.stage_keep_attention`` (``distributed/stage_keep.py``)
+the stages keep their kernel's outputs, every stage's output and fp32 logsumexp, ``a q + 4 Hq``
+per token for the busiest rank (``stage_kept_per_token``; q/k/v are still recomputed one stage at
+a time): without AC from forward to the layer's backward, as plain Ulysses keeps its attention
+output; under full AC or full_offload only in the layer's backward (its recompute records them,
+each stage's recompute takes its own), so they are part of the recompute there; a stage's own
+output and logsumexp are then not counted twice. Selective AC's policy sees the ops inside every
+stage's checkpoint, keep or not: its cache holds each stage's projections, all-to-all and kernel
+outputs and its ``[T, D]`` share of the layer output (``stage_selective_per_token``: G shares
+where plain Ulysses keeps one), and the layer's recompute frees the shares as it sums them.
+Against the tracker (the 1B shape, two layers, 8 stages, 128K tokens, one rank and sp=2): keep
+adds what the tracker adds to each phase to the byte under none, full and full_offload; selective
+2.9% to 3.5% over in a layer's backward. Without keep: the 1B shape at 2M tokens on one GPU
+(``llama3_1b_2m_one_gpu.toml``) +0.1% at the peak (a layer's backward; it was 27% under before the
+tiled MLP's gradients, the host prefetch and the RoPE copies were counted); the staged cases of
+``tests/test_memory_track.py`` -0.0% in a layer's backward.
 
 Context parallelism (cp > 1, ``distributed/context_parallel.py``) adds, per layer, the keys and
 values each of a rank's two chunks attends to: the prefixes of the gathered K/V that end with
@@ -233,28 +249,57 @@ def _cp_kv_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
     return s.act_bytes * width * (2 * layout.cp + 1)
 
 
-def stage_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> tuple[float, float]:
-    """Head-staged attention (``distributed/staged_attention.py``): (what the largest stage holds, its backward's
-    working set) per local token. A stage keeps nothing past its own backward (it is recomputed there): its
-    projected q/k/v before the exchange, the all-to-all's buffer, the output and logsumexp, the returned output
-    and its projection's share of the layer output; the working set is that of plain attention, for its heads."""
+def stage_kept_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
+    """Head stages that keep their attention kernel's outputs (``Switches.stage_keep_attention``): every stage's
+    output and fp32 logsumexp, per local token (the busiest rank's heads; 0 without stages or keep)."""
+    if s.head_stages <= 1 or not s.stage_keep_attention:
+        return 0.0
+    _, _, _, qa, _, _, _ = _widths(args, layout)
+    return s.act_bytes * qa + 4 * (qa // args.head_dim)
+
+
+def _stage_terms(args: LlamaArgs, layout: Layout, s: Switches) -> list[dict[str, float]]:
+    """Per head stage, bytes per local token of the busiest rank: its projections' outputs before the exchange
+    (``local``), the all-to-all's buffer (``exchanged``; the received kv heads expanded where a rank needs them),
+    the kernel's output and fp32 logsumexp (``kernel``), the returned output (``returned``, sp > 1) and its
+    projection's share of the layer output (``share``)."""
     a, dh = s.act_bytes, args.head_dim
     plans = stage_plans(args.n_heads // layout.tp, args.n_kv_heads // layout.tp, layout.sp, s.head_stages)
-    held, ws = 0.0, 0.0
+    terms = []
     for plan in plans:
-        nq = sum(b - e for e, b in ((x, y) for x, y in plan.q))
-        nkv = sum(b - e for e, b in ((x, y) for x, y in plan.kv))
+        nq = sum(b - e for e, b in plan.q)
+        nkv = sum(b - e for e, b in plan.kv)
         busiest = max(range(layout.sp), key=lambda r: plan.q[r][1] - plan.q[r][0])
         hq = (plan.q[busiest][1] - plan.q[busiest][0]) * layout.sp
         hkv = (plan.kv[busiest][1] - plan.kv[busiest][0]) * layout.sp
         expand = plan.kv_index(busiest) is not None or (a == 4 and hq != hkv)
         hkv_held = hkv + (hq if expand else 0)
-        local = a * (nq + 2 * nkv) * dh  # the projections' outputs before the exchange
-        attention = a * (hq + 2 * hkv_held) * dh + a * hq * dh + 4 * hq
-        wo_input = a * nq * dh if layout.sp > 1 else 0
-        held = max(held, local + attention + wo_input + a * args.dim)  # + its share of the layer output
-        ws = max(ws, 3 * a * (hq + 2 * hkv_held) * dh)
+        terms.append({"local": a * (nq + 2 * nkv) * dh, "exchanged": a * (hq + 2 * hkv_held) * dh,
+                      "kernel": a * hq * dh + 4 * hq, "returned": a * nq * dh if layout.sp > 1 else 0,
+                      "share": a * args.dim})
+    return terms
+
+
+def stage_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> tuple[float, float]:
+    """Head-staged attention (``distributed/staged_attention.py``): (what the largest stage holds, its backward's
+    working set) per local token. A stage keeps nothing past its own backward (it is recomputed there): its
+    projected q/k/v before the exchange, the all-to-all's buffer, the output and logsumexp (with keep: counted
+    with every stage's, ``stage_kept_per_token``), the returned output and its projection's share of the layer
+    output; the working set is that of plain attention, for its heads."""
+    held, ws = 0.0, 0.0
+    for t in _stage_terms(args, layout, s):
+        kernel = 0.0 if s.stage_keep_attention else t["kernel"]
+        held = max(held, t["local"] + t["exchanged"] + kernel + t["returned"] + t["share"])
+        ws = max(ws, 3 * t["exchanged"])
     return held, ws
+
+
+def stage_selective_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
+    """What selective AC's cache keeps of a head-staged layer per local token: its policy sees the ops inside every
+    stage's checkpoint, so it keeps each stage's matmul, all-to-all and kernel outputs (keep or not)."""
+    sp = layout.sp > 1
+    return sum(t["local"] + (t["exchanged"] if sp else 0) + t["kernel"] + t["returned"] + t["share"]
+               for t in _stage_terms(args, layout, s))
 
 
 def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: str = "none") -> float:
@@ -266,13 +311,20 @@ def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: st
     # the output projection's input: its own buffer after the return all-to-all; without
     # Ulysses a view of the attention output (kernels write it [B, S, H, Dh]), counted above
     wo_input = a * q if layout.sp > 1 else 0
-    if s.head_stages > 1:  # each stage keeps only its input (the norm's output, counted below) past its backward
-        attention, wo_input = 0, 0
+    if s.head_stages > 1:  # each stage keeps only its input (the norm's output, counted below) past its backward,
+        # and with keep its kernel's outputs: from forward without AC and in selective AC's cache; a recompute-all
+        # mode's layer recompute holds them in its backward instead (the full set's, below)
+        attention = stage_kept_per_token(args, layout, s) if mode in ("none", "selective") else 0.0
+        wo_input = 0
     if layout.cp > 1:  # selective AC keeps the all-gather's output and recomputes the prefixes cut from it
         attention += a * 2 * layout.cp * kva if mode == "selective" else _cp_kv_per_token(args, layout, s)
     rope = a * args.head_dim if a < 4 else 0  # the block's bf16 cos and sin, [T, Dh/2] each
     if mode in ("full", "full_offload"):  # full_offload: the input goes to the host; the RoPE tuple stays
         return a * d + rope if mode == "full" else float(rope)
+    if mode == "selective" and s.head_stages > 1:  # every stage's saved outputs, the tiled or untiled MLP's as below
+        mlp = 0 if s.mlp_tile_size else 2 * a * f + a * d
+        cp = attention - stage_kept_per_token(args, layout, s)
+        return stage_selective_per_token(args, layout, s) + cp + mlp + a * d + rope
     if mode == "selective":
         # the MLP's matmul outputs (w1, w3, w2), untiled; tiled, nothing (its input is recomputed too)
         mlp = 0 if s.mlp_tile_size else 2 * a * f + a * d
@@ -323,7 +375,8 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
         states = dict.fromkeys(states, 0.0)
     block_grad = states["gradients"] and 4 * trained / n  # one block's sharded fp32 gradient (0 when offloaded)
     per_layer = layer_bytes_per_token(args, layout, s, s.ac_mode)
-    head = tokens * (8 + (a * d + 4) + a * d)  # token ids, the final norm's input and scale, its output
+    # token ids, the root's fp32 RoPE tables (cos and sin, [T, Dh/2] each), the final norm's input and scale, its output
+    head = tokens * (8 + 4 * args.head_dim + (a * d + 4) + a * d)
     saved = args.n_layers * per_layer * tokens + head
     if s.ac_mode == "full_offload":
         host += args.n_layers * a * d * tokens
@@ -332,6 +385,15 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     # tensors the full set does not -- the projections' outputs -- but they are released as the recompute
     # consumes them; with cp, the gathered K/V stay beside the prefixes recomputed from them)
     recompute = 0.0 if s.ac_mode == "none" else max(full_set - per_layer, 0.0) * tokens
+    released, floor = 0.0, 0.0  # what the layer's recompute frees of its own saved tensors before the working sets
+    if s.ac_mode == "selective" and s.head_stages > 1:
+        # staged: the cache holds every stage's outputs; the recompute holds the norms' outputs and the MLP's
+        # input (untiled: its SiLU and product too) and frees the stages' shares of the layer output as it sums them
+        kept = stage_kept_per_token(args, layout, s) + a * d + (a * args.head_dim if a < 4 else 0)
+        recompute = max(full_set - kept - (0 if s.mlp_tile_size else 2 * a * f), 0.0) * tokens
+        released = s.head_stages * a * d * tokens
+        # before it frees them: the output's gradient, the attention norm's output and one stage's forward
+        floor = 2 * a * d * tokens + stage_bytes_per_token(args, layout, s)[0] * tokens
     if s.ac_mode == "selective" and layout.cp > 1:
         recompute += 2 * a * layout.cp * kva * tokens
     cp_kv = _cp_kv_per_token(args, layout, s) * tokens if layout.cp > 1 else 0.0  # and as much of their gradients
@@ -390,7 +452,7 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
         if s.ac_mode == "full_offload" and i > 0:  # and its input, on its way back from the host
             prefetch += a * d * tokens
         return (rest + done + working - one_block + prefetch + out_grad + held
-                + (i + 1) * per_layer * tokens + recompute + layer_ws)
+                + (i + 1) * per_layer * tokens + max(recompute + layer_ws - released, floor))
 
     # a layer's ffn_norm backward (after the MLP's backward freed its intermediates): the norm's fp32
     # temporaries and two residual-stream gradients beside the rest of the layer's activations
