@@ -106,9 +106,11 @@ tracker.
 Head-staged attention (``Switches.head_stages`` > 1, ``distributed/staged_attention.py``): a layer
 keeps no attention tensor and no output-projection input past its backward (each stage is its
 own checkpoint, keeping only the norm's output, counted above); its backward holds one stage at
-a time: the stage's projected q/k/v, exchanged buffer, output, logsumexp, returned output and its
-share of the layer output, beside that stage's attention working set
-(``stage_bytes_per_token``). With ``Switches.stage_keep_attention`` (``distributed/stage_keep.py``)
+a time, the larger of (``stage_bytes_per_token``) the stage's forward inside the layer's recompute
+(the stages' sum so far and the last share of the layer output beside its projections and RoPE's
+fp32 temporaries: at sp=8 with one head per stage, the layer's peak) and its backward (the
+kernel's saved q/k/v, output and their gradients, or the stage's gradient of the norm's output
+and its sum with the earlier stages'). With ``Switches.stage_keep_attention`` (``distributed/stage_keep.py``)
 the stages keep their kernel's outputs, every stage's output and fp32 logsumexp, ``a q + 4 Hq``
 per token for the busiest rank (``stage_kept_per_token``; q/k/v are still recomputed one stage at
 a time): without AC from forward to the layer's backward, as plain Ulysses keeps its attention
@@ -120,10 +122,11 @@ outputs and its ``[T, D]`` share of the layer output (``stage_selective_per_toke
 where plain Ulysses keeps one), and the layer's recompute frees the shares as it sums them.
 Against the tracker (the 1B shape, two layers, 8 stages, 128K tokens, one rank and sp=2): keep
 adds what the tracker adds to each phase to the byte under none, full and full_offload; selective
-2.9% to 3.5% over in a layer's backward. Without keep: the 1B shape at 2M tokens on one GPU
-(``llama3_1b_2m_one_gpu.toml``) +0.1% at the peak (a layer's backward; it was 27% under before the
-tiled MLP's gradients, the host prefetch and the RoPE copies were counted); the staged cases of
-``tests/test_memory_track.py`` -0.0% in a layer's backward.
+3% to 4% over in a layer's backward. Without keep, at the peak (a layer's backward): the 1B shape
+at 2M tokens on one GPU (``llama3_1b_2m_one_gpu.toml``) +0.1%, the 8B at 1.2M on one H200 +0.4%
+(27% and 30% under before the tiled MLP's gradients, the host prefetch and the RoPE copies were
+counted); the 8B over sp=8 with 4 stages, three layers, 1M and 4M tokens: -0.1%, +0.8%; the staged
+cases of ``tests/test_memory_track.py`` -0.0% in a layer's backward.
 
 Context parallelism (cp > 1, ``distributed/context_parallel.py``) adds, per layer, the keys and
 values each of a rank's two chunks attends to: the prefixes of the gathered K/V that end with
@@ -276,22 +279,25 @@ def _stage_terms(args: LlamaArgs, layout: Layout, s: Switches) -> list[dict[str,
         hkv_held = hkv + (hq if expand else 0)
         terms.append({"local": a * (nq + 2 * nkv) * dh, "exchanged": a * (hq + 2 * hkv_held) * dh,
                       "kernel": a * hq * dh + 4 * hq, "returned": a * nq * dh if layout.sp > 1 else 0,
-                      "share": a * args.dim})
+                      "share": a * args.dim, "rope": max(nq, nkv) * dh})
     return terms
 
 
 def stage_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> tuple[float, float]:
-    """Head-staged attention (``distributed/staged_attention.py``): (what the largest stage holds, its backward's
-    working set) per local token. A stage keeps nothing past its own backward (it is recomputed there): its
-    projected q/k/v before the exchange, the all-to-all's buffer, the output and logsumexp (with keep: counted
-    with every stage's, ``stage_kept_per_token``), the returned output and its projection's share of the layer
-    output; the working set is that of plain attention, for its heads."""
-    held, ws = 0.0, 0.0
+    """Head-staged attention (``distributed/staged_attention.py``) per local token, beyond the layer's recompute:
+    (the largest stage's forward inside the layer's recompute, its backward). Forward: the stages' sum so far and
+    the last stage's share of the layer output (the residual and the ffn_norm's output do not exist yet, the
+    output's gradient does) beside the stage's projections and RoPE's fp32 temporaries (an upcast, two products,
+    their difference and sum, the output: ``12 + a`` bytes per element of the wider of q and k). Backward: the
+    kernel's saved q/k/v and output and their gradients beside the returned output's, or the stage's gradient of
+    the norm's output and its sum with the earlier stages' beside two projections' gradients."""
+    a = s.act_bytes
+    fwd, bwd = 0.0, 0.0
     for t in _stage_terms(args, layout, s):
-        kernel = 0.0 if s.stage_keep_attention else t["kernel"]
-        held = max(held, t["local"] + t["exchanged"] + kernel + t["returned"] + t["share"])
-        ws = max(ws, 3 * t["exchanged"])
-    return held, ws
+        fwd = max(fwd, t["share"] + t["local"] + ((12 if a < 4 else 8) + a) * t["rope"])
+        saved = 0.0 if s.stage_keep_attention else t["kernel"]  # kept: counted with every stage's
+        bwd = max(bwd, 2 * t["exchanged"] + saved + t["kernel"] + t["returned"], 2 * t["share"] + t["local"])
+    return fwd, bwd
 
 
 def stage_selective_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
@@ -398,9 +404,8 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
         recompute += 2 * a * layout.cp * kva * tokens
     cp_kv = _cp_kv_per_token(args, layout, s) * tokens if layout.cp > 1 else 0.0  # and as much of their gradients
     attention_ws = 3 * a * (qa + 2 * kva_held) * tokens + 2 * cp_kv
-    if s.head_stages > 1:  # one stage at a time: what it holds and its backward's working set
-        stage_held, stage_ws = stage_bytes_per_token(args, layout, s)
-        attention_ws = (stage_held + stage_ws) * tokens + 2 * cp_kv
+    if s.head_stages > 1:  # one stage at a time: its forward in the layer's recompute or its backward
+        attention_ws = max(stage_bytes_per_token(args, layout, s)) * tokens + 2 * cp_kv
     if s.mlp_tile_size:  # ops/tiled.py: see the module docstring
         tile = min(s.mlp_tile_size, tokens)
         tile_ws = 6 * a * f * tile + 2 * a * d * tile + 7 * a * d * f
