@@ -14,7 +14,8 @@ What autograd keeps per layer and local token without activation checkpointing, 
 
 * RMSNorm x2: its input and one fp32 scale per token, ``aD + 4`` each (``ops/norm.py``);
 * the q/k/v projections' input (the norm output): ``aD``;
-* RoPE on q and k: its fp32 cos/sin tables are shared by all layers, but in bf16 FSDP casts
+* RoPE on q and k: its fp32 cos/sin tables are shared by all layers (``4 Dh`` per token, once,
+  with the final norm's input: the root holds them to the end of backward), but in bf16 FSDP casts
   every block's floating-point inputs to the compute dtype (``MixedPrecisionPolicy``'s
   ``cast_forward_inputs``), so each block keeps its own bf16 copy of both: ``a Dh`` (kept
   under every AC mode: they are the checkpoint's inputs; fp32: no copy);
@@ -28,9 +29,12 @@ What autograd keeps per layer and local token without activation checkpointing, 
 Selective AC keeps the matmul, attention and all-to-all outputs (``a(q + 2kv) + 2aD + 2aF``,
 the attention terms and the block input; with a tiled MLP, whose matmuls run inside its
 own recompute, not ``aD + 2aF``: ``distributed/activation_checkpoint.py``); full AC keeps
-the block input ``aD``; full_offload keeps it in host memory. Under AC the backward of a layer holds again what
-its mode did not keep (the recompute, ``layer_recompute``; under selective AC with cp, the
-gathered K/V stay beside the prefixes recomputed from them).
+the block input ``aD``; full_offload keeps it in host memory, and under both the block's bf16
+RoPE copies stay on the device (the checkpoint holds the ``(cos, sin)`` tuple itself, which no
+saved-tensor hook sees, so ``activation_offload.py`` cannot move it: ``a Dh`` per token and
+layer). Under AC the backward of a layer holds again what its mode did not keep (the recompute,
+``layer_recompute``; under selective AC with cp, the gathered K/V stay beside the prefixes
+recomputed from them).
 
 The peak is the largest of the phases of a steady-state step (``Estimate.phases``), each
 checked against PyTorch's ``FSDPMemTracker`` under fake tensors on CPU
@@ -57,9 +61,10 @@ the next all-gather. The phases:
   are linear in the layer index between them): the sharded gradients of the blocks
   after it, the root's parameters and the output weight's gradient in the compute dtype,
   this block's unsharded parameters and gradients and the next block's all-gather
-  (``unsharded_working_params``; block 0 has no next), the previous block's fp32
-  reduce-scatter input, which FSDP keeps until the next reduce-scatter
-  (``reduce_scatter``), the saved activations of
+  (``unsharded_working_params``; block 0 has no next; under full_offload also the input of the
+  block below, ``aD`` per token, on its way back from the host while this block runs its
+  backward), the previous block's fp32 reduce-scatter input, which FSDP keeps until the next
+  reduce-scatter (``reduce_scatter``), the saved activations of
   this layer and the ones below, the recompute, and the largest of the attention's, the
   MLP's and the ffn_norm's backward working sets (the last: its fp32 temporaries, as the
   final norm's below, and two residual-stream gradients, once the MLP's intermediates are
@@ -69,7 +74,8 @@ the next all-gather. The phases:
   parameters, the output weight's and the embeddings' gradients, block 0's reduce-scatter
   input) and the root's reduce-scatter (its gradients in the compute dtype and their fp32
   reduce-scatter input; the root's parameters are resharded before it; in a world of one,
-  the input beside a full-size output and FSDP's out-of-place division; ``root_gradients``);
+  the input beside a full-size output and FSDP's out-of-place division, and the output weight's
+  gradient, the last root gradient, unless the embeddings are tied; ``root_gradients``);
 * the optimizer step: parameters, gradients and states (the fused AdamW of CUDA allocates
   no temporaries).
 
@@ -77,8 +83,16 @@ The forward of a layer holds less than its backward (no gradients), so it is not
 here. Working sets, counted at their peak: the attention's (the all-to-all send and receive
 buffers and attention gradients, ``3 a (q + 2 r kv)`` per token) and the MLP's backward (its
 output's gradient, the SiLU and product gradients beside the recomputed intermediates,
-``2aF`` per token beyond the recompute; tiled: the recompute of one tile too, ``6aF`` per
-tile token, and the MLP weights' gradient summed over tiles, ``2 a 3DF``).
+``2aF`` per token beyond the recompute; tiled, ``ops/tiled.py``: the output's and the input's
+gradients, ``2aD`` per token, beside one tile's recompute and backward, ``6aF + 2aD`` per tile
+token, and the MLP weights' gradients -- their sums over the tiles before, the previous tile's and
+the one being made, ``7 a DF``; under AC the recompute's forward before it holds the tiles'
+outputs and their concatenation, ``2aD`` per token, beside the output's gradient instead. The
+tiled MLP's backward comes first in the block's: none of the block's gradients exist yet.
+At one GPU and millions of tokens that is the peak: the 1B shape's whole 2M tokens over one rank
+hold eight ``[T, D]`` tensors at the concatenation under full_offload: the block's input, the
+next one's, the two norms' outputs, the residual, the output's gradient, the tiles and the
+concatenation).
 CPU offload moves the sharded parameters, gradients and optimizer state to host memory.
 Not modelled: the CUDA context and NCCL buffers (about 1-3 GiB on an H100), allocator
 fragmentation, CUDA kernels' workspaces (cuBLAS, the flash attention backward's fp32 dq
@@ -92,10 +106,27 @@ tracker.
 Head-staged attention (``Switches.head_stages`` > 1, ``distributed/staged_attention.py``): a layer
 keeps no attention tensor and no output-projection input past its backward (each stage is its
 own checkpoint, keeping only the norm's output, counted above); its backward holds one stage at
-a time: the stage's projected q/k/v, exchanged buffer, output, logsumexp, returned output and its
-share of the layer output, beside that stage's attention working set
-(``stage_bytes_per_token``). Against the tracker: +3.1% at the 8B's 6M tokens over sp=8 (the
-peak); a layer's backward 3.3% under at 256K (not the peak there; ``tests/test_memory_track.py``).
+a time, the larger of (``stage_bytes_per_token``) the stage's forward inside the layer's recompute
+(the stages' sum so far and the last share of the layer output beside its projections and RoPE's
+fp32 temporaries: at sp=8 with one head per stage, the layer's peak) and its backward (the
+kernel's saved q/k/v, output and their gradients, or the stage's gradient of the norm's output
+and its sum with the earlier stages'). With ``Switches.stage_keep_attention`` (``distributed/stage_keep.py``)
+the stages keep their kernel's outputs, every stage's output and fp32 logsumexp, ``a q + 4 Hq``
+per token for the busiest rank (``stage_kept_per_token``; q/k/v are still recomputed one stage at
+a time): without AC from forward to the layer's backward, as plain Ulysses keeps its attention
+output; under full AC or full_offload only in the layer's backward (its recompute records them,
+each stage's recompute takes its own), so they are part of the recompute there; a stage's own
+output and logsumexp are then not counted twice. Selective AC's policy sees the ops inside every
+stage's checkpoint, keep or not: its cache holds each stage's projections, all-to-all and kernel
+outputs and its ``[T, D]`` share of the layer output (``stage_selective_per_token``: G shares
+where plain Ulysses keeps one), and the layer's recompute frees the shares as it sums them.
+Against the tracker (the 1B shape, two layers, 8 stages, 128K tokens, one rank and sp=2): keep
+adds what the tracker adds to each phase to the byte under none, full and full_offload; selective
+3% to 4% over in a layer's backward. Without keep, at the peak (a layer's backward): the 1B shape
+at 2M tokens on one GPU (``llama3_1b_2m_one_gpu.toml``) +0.1%, the 8B at 1.2M on one H200 +0.4%
+(27% and 30% under before the tiled MLP's gradients, the host prefetch and the RoPE copies were
+counted); the 8B over sp=8 with 4 stages, three layers, 1M and 4M tokens: -0.1%, +0.8%; the staged
+cases of ``tests/test_memory_track.py`` -0.0% in a layer's backward.
 
 Context parallelism (cp > 1, ``distributed/context_parallel.py``) adds, per layer, the keys and
 values each of a rank's two chunks attends to: the prefixes of the gathered K/V that end with
@@ -221,28 +252,60 @@ def _cp_kv_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
     return s.act_bytes * width * (2 * layout.cp + 1)
 
 
-def stage_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> tuple[float, float]:
-    """Head-staged attention (``distributed/staged_attention.py``): (what the largest stage holds, its backward's
-    working set) per local token. A stage keeps nothing past its own backward (it is recomputed there): its
-    projected q/k/v before the exchange, the all-to-all's buffer, the output and logsumexp, the returned output
-    and its projection's share of the layer output; the working set is that of plain attention, for its heads."""
+def stage_kept_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
+    """Head stages that keep their attention kernel's outputs (``Switches.stage_keep_attention``): every stage's
+    output and fp32 logsumexp, per local token (the busiest rank's heads; 0 without stages or keep)."""
+    if s.head_stages <= 1 or not s.stage_keep_attention:
+        return 0.0
+    _, _, _, qa, _, _, _ = _widths(args, layout)
+    return s.act_bytes * qa + 4 * (qa // args.head_dim)
+
+
+def _stage_terms(args: LlamaArgs, layout: Layout, s: Switches) -> list[dict[str, float]]:
+    """Per head stage, bytes per local token of the busiest rank: its projections' outputs before the exchange
+    (``local``), the all-to-all's buffer (``exchanged``; the received kv heads expanded where a rank needs them),
+    the kernel's output and fp32 logsumexp (``kernel``), the returned output (``returned``, sp > 1) and its
+    projection's share of the layer output (``share``)."""
     a, dh = s.act_bytes, args.head_dim
     plans = stage_plans(args.n_heads // layout.tp, args.n_kv_heads // layout.tp, layout.sp, s.head_stages)
-    held, ws = 0.0, 0.0
+    terms = []
     for plan in plans:
-        nq = sum(b - e for e, b in ((x, y) for x, y in plan.q))
-        nkv = sum(b - e for e, b in ((x, y) for x, y in plan.kv))
+        nq = sum(b - e for e, b in plan.q)
+        nkv = sum(b - e for e, b in plan.kv)
         busiest = max(range(layout.sp), key=lambda r: plan.q[r][1] - plan.q[r][0])
         hq = (plan.q[busiest][1] - plan.q[busiest][0]) * layout.sp
         hkv = (plan.kv[busiest][1] - plan.kv[busiest][0]) * layout.sp
         expand = plan.kv_index(busiest) is not None or (a == 4 and hq != hkv)
         hkv_held = hkv + (hq if expand else 0)
-        local = a * (nq + 2 * nkv) * dh  # the projections' outputs before the exchange
-        attention = a * (hq + 2 * hkv_held) * dh + a * hq * dh + 4 * hq
-        wo_input = a * nq * dh if layout.sp > 1 else 0
-        held = max(held, local + attention + wo_input + a * args.dim)  # + its share of the layer output
-        ws = max(ws, 3 * a * (hq + 2 * hkv_held) * dh)
-    return held, ws
+        terms.append({"local": a * (nq + 2 * nkv) * dh, "exchanged": a * (hq + 2 * hkv_held) * dh,
+                      "kernel": a * hq * dh + 4 * hq, "returned": a * nq * dh if layout.sp > 1 else 0,
+                      "share": a * args.dim, "rope": max(nq, nkv) * dh})
+    return terms
+
+
+def stage_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> tuple[float, float]:
+    """Head-staged attention (``distributed/staged_attention.py``) per local token, beyond the layer's recompute:
+    (the largest stage's forward inside the layer's recompute, its backward). Forward: the stages' sum so far and
+    the last stage's share of the layer output (the residual and the ffn_norm's output do not exist yet, the
+    output's gradient does) beside the stage's projections and RoPE's fp32 temporaries (an upcast, two products,
+    their difference and sum, the output: ``12 + a`` bytes per element of the wider of q and k). Backward: the
+    kernel's saved q/k/v and output and their gradients beside the returned output's, or the stage's gradient of
+    the norm's output and its sum with the earlier stages' beside two projections' gradients."""
+    a = s.act_bytes
+    fwd, bwd = 0.0, 0.0
+    for t in _stage_terms(args, layout, s):
+        fwd = max(fwd, t["share"] + t["local"] + ((12 if a < 4 else 8) + a) * t["rope"])
+        saved = 0.0 if s.stage_keep_attention else t["kernel"]  # kept: counted with every stage's
+        bwd = max(bwd, 2 * t["exchanged"] + saved + t["kernel"] + t["returned"], 2 * t["share"] + t["local"])
+    return fwd, bwd
+
+
+def stage_selective_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
+    """What selective AC's cache keeps of a head-staged layer per local token: its policy sees the ops inside every
+    stage's checkpoint, so it keeps each stage's matmul, all-to-all and kernel outputs (keep or not)."""
+    sp = layout.sp > 1
+    return sum(t["local"] + (t["exchanged"] if sp else 0) + t["kernel"] + t["returned"] + t["share"]
+               for t in _stage_terms(args, layout, s))
 
 
 def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: str = "none") -> float:
@@ -254,13 +317,20 @@ def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: st
     # the output projection's input: its own buffer after the return all-to-all; without
     # Ulysses a view of the attention output (kernels write it [B, S, H, Dh]), counted above
     wo_input = a * q if layout.sp > 1 else 0
-    if s.head_stages > 1:  # each stage keeps only its input (the norm's output, counted below) past its backward
-        attention, wo_input = 0, 0
+    if s.head_stages > 1:  # each stage keeps only its input (the norm's output, counted below) past its backward,
+        # and with keep its kernel's outputs: from forward without AC and in selective AC's cache; a recompute-all
+        # mode's layer recompute holds them in its backward instead (the full set's, below)
+        attention = stage_kept_per_token(args, layout, s) if mode in ("none", "selective") else 0.0
+        wo_input = 0
     if layout.cp > 1:  # selective AC keeps the all-gather's output and recomputes the prefixes cut from it
         attention += a * 2 * layout.cp * kva if mode == "selective" else _cp_kv_per_token(args, layout, s)
     rope = a * args.head_dim if a < 4 else 0  # the block's bf16 cos and sin, [T, Dh/2] each
-    if mode in ("full", "full_offload"):
-        return a * d + rope if mode == "full" else 0.0
+    if mode in ("full", "full_offload"):  # full_offload: the input goes to the host; the RoPE tuple stays
+        return a * d + rope if mode == "full" else float(rope)
+    if mode == "selective" and s.head_stages > 1:  # every stage's saved outputs, the tiled or untiled MLP's as below
+        mlp = 0 if s.mlp_tile_size else 2 * a * f + a * d
+        cp = attention - stage_kept_per_token(args, layout, s)
+        return stage_selective_per_token(args, layout, s) + cp + mlp + a * d + rope
     if mode == "selective":
         # the MLP's matmul outputs (w1, w3, w2), untiled; tiled, nothing (its input is recomputed too)
         mlp = 0 if s.mlp_tile_size else 2 * a * f + a * d
@@ -311,7 +381,8 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
         states = dict.fromkeys(states, 0.0)
     block_grad = states["gradients"] and 4 * trained / n  # one block's sharded fp32 gradient (0 when offloaded)
     per_layer = layer_bytes_per_token(args, layout, s, s.ac_mode)
-    head = tokens * (8 + (a * d + 4) + a * d)  # token ids, the final norm's input and scale, its output
+    # token ids, the root's fp32 RoPE tables (cos and sin, [T, Dh/2] each), the final norm's input and scale, its output
+    head = tokens * (8 + 4 * args.head_dim + (a * d + 4) + a * d)
     saved = args.n_layers * per_layer * tokens + head
     if s.ac_mode == "full_offload":
         host += args.n_layers * a * d * tokens
@@ -320,15 +391,27 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     # tensors the full set does not -- the projections' outputs -- but they are released as the recompute
     # consumes them; with cp, the gathered K/V stay beside the prefixes recomputed from them)
     recompute = 0.0 if s.ac_mode == "none" else max(full_set - per_layer, 0.0) * tokens
+    released, floor = 0.0, 0.0  # what the layer's recompute frees of its own saved tensors before the working sets
+    if s.ac_mode == "selective" and s.head_stages > 1:
+        # staged: the cache holds every stage's outputs; the recompute holds the norms' outputs and the MLP's
+        # input (untiled: its SiLU and product too) and frees the stages' shares of the layer output as it sums them
+        kept = stage_kept_per_token(args, layout, s) + a * d + (a * args.head_dim if a < 4 else 0)
+        recompute = max(full_set - kept - (0 if s.mlp_tile_size else 2 * a * f), 0.0) * tokens
+        released = s.head_stages * a * d * tokens
+        # before it frees them: the output's gradient, the attention norm's output and one stage's forward
+        floor = 2 * a * d * tokens + stage_bytes_per_token(args, layout, s)[0] * tokens
     if s.ac_mode == "selective" and layout.cp > 1:
         recompute += 2 * a * layout.cp * kva * tokens
     cp_kv = _cp_kv_per_token(args, layout, s) * tokens if layout.cp > 1 else 0.0  # and as much of their gradients
     attention_ws = 3 * a * (qa + 2 * kva_held) * tokens + 2 * cp_kv
-    if s.head_stages > 1:  # one stage at a time: what it holds and its backward's working set
-        stage_held, stage_ws = stage_bytes_per_token(args, layout, s)
-        attention_ws = (stage_held + stage_ws) * tokens + 2 * cp_kv
-    if s.mlp_tile_size:  # one tile's recompute and gradients; the MLP weights' gradients summed over tiles
-        mlp_ws = 6 * a * f * min(s.mlp_tile_size, tokens) + 2 * a * 3 * d * f
+    if s.head_stages > 1:  # one stage at a time: its forward in the layer's recompute or its backward
+        attention_ws = max(stage_bytes_per_token(args, layout, s)) * tokens + 2 * cp_kv
+    if s.mlp_tile_size:  # ops/tiled.py: see the module docstring
+        tile = min(s.mlp_tile_size, tokens)
+        tile_ws = 6 * a * f * tile + 2 * a * d * tile + 7 * a * d * f
+        # beside the output's gradient: the input's gradient and one tile's backward; under AC, the
+        # recompute's forward holds the tiles' outputs and their concatenation instead
+        mlp_ws = a * d * tokens + max(a * d * tokens + tile_ws, 2 * a * d * tokens if s.ac_mode != "none" else 0.0)
     else:
         mlp_ws = 2 * a * f * tokens
     if s.lora_rank:  # the adapters' gradient of the MLP input beside the base projections' (measured)
@@ -352,7 +435,9 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     # by the divide factor, which FSDP computes out of place) and beside the last root gradient,
     # which FSDP still holds then (the output weight's, [vocab, D]): 1 GiB for Llama-3-8B in bf16,
     # which the tracker found missing at 1, 2 and 3 ranks
-    root_grads = max((a + 4) * other, 4 * other * (1 + 1 / n + (1 if n == 1 else 0)) + out_grad)
+    # (tied embeddings: the last root gradient is the final norm's)
+    root_grads = max((a + 4) * other, 4 * other * (1 + 1 / n + (1 if n == 1 else 0))
+                     + (0.0 if args.tie_embeddings else out_grad))
     # the embeddings' backward, before it: the root still unsharded, the output weight's gradient,
     # the embeddings' own (tied: and their sum), the gradient of the embeddings' output and
     # block 0's reduce-scatter input
@@ -369,13 +454,17 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
         done = earlier or (args.n_layers - 1 - i) * block_grad
         held = rs_block if i < args.n_layers - 1 else 0.0  # the reduce-scatter input of block i + 1
         prefetch = one_block if i > 0 else 0.0  # block i - 1's all-gather
+        if s.ac_mode == "full_offload" and i > 0:  # and its input, on its way back from the host
+            prefetch += a * d * tokens
         return (rest + done + working - one_block + prefetch + out_grad + held
-                + (i + 1) * per_layer * tokens + recompute + layer_ws)
+                + (i + 1) * per_layer * tokens + max(recompute + layer_ws - released, floor))
 
     # a layer's ffn_norm backward (after the MLP's backward freed its intermediates): the norm's fp32
     # temporaries and two residual-stream gradients beside the rest of the layer's activations
     norm_ws = norm_bwd + 2 * a * d * tokens - (a * d + (0 if s.mlp_tile_size else 4 * a * f)) * tokens
-    layer_ws = max(attention_ws, mlp_ws, norm_ws)
+    # the tiled MLP's backward (and, under AC, the recompute's forward before it) comes first in the block's
+    # backward: none of the block's gradients exist yet (its weights' gradients are the tiles' sums, above)
+    layer_ws = max(attention_ws, mlp_ws - (a * trained if s.mlp_tile_size else 0.0), norm_ws)
     last = args.n_layers - 1
     phases = {
         "loss forward": rest + earlier + root + one_block + saved + max(loss_fwd, norm_fwd),

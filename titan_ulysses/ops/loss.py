@@ -16,9 +16,14 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+def upcast_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype :func:`upcast` gives ``t``, without making the copy (a ``[T, D]`` fp32 transient)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def upcast(t: torch.Tensor) -> torch.Tensor:
     """At least fp32 (bf16 logits lose the loss; fp64 stays fp64)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    return t.to(upcast_dtype(t))
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -34,7 +39,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size: int, ignore_index: int):
         # hidden [N, D], weight [V, D], labels [N]
-        total = torch.zeros((), dtype=upcast(hidden).dtype, device=hidden.device)
+        total = torch.zeros((), dtype=upcast_dtype(hidden), device=hidden.device)
         for h, lab in zip(hidden.split(chunk_size), labels.split(chunk_size)):
             logits = upcast(h @ weight.t())  # [chunk, V]
             total += F.cross_entropy(logits, lab, ignore_index=ignore_index, reduction="sum")
@@ -49,7 +54,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         # a frozen output weight (LoRA) needs no [V, D] fp32 gradient
         need_weight = ctx.needs_input_grad[1]
-        grad_weight = torch.zeros(weight.shape, dtype=upcast(weight).dtype, device=weight.device) if need_weight else None
+        grad_weight = torch.zeros(weight.shape, dtype=upcast_dtype(weight), device=weight.device) if need_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             h = hidden[start : start + ctx.chunk_size]
             lab = labels[start : start + ctx.chunk_size]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_ulysses.ops.loss import upcast
+from titan_ulysses.ops.loss import upcast, upcast_dtype
 
 
 CHUNK_TOKENS = 4096
@@ -35,7 +35,7 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps: float):
         rows = x.reshape(-1, x.shape[-1])  # [T, D]
         out = torch.empty_like(rows)
-        rstd = torch.empty(rows.shape[0], 1, dtype=upcast(x).dtype, device=x.device)  # [T, 1]
+        rstd = torch.empty(rows.shape[0], 1, dtype=upcast_dtype(x), device=x.device)  # [T, 1]
         w = weight.to(rstd.dtype)
         for a, b in _chunks(rows.shape[0]):
             xf = upcast(rows[a:b])
