@@ -51,10 +51,7 @@ CASES = {
                                                          head_stages=8), 65536, "embedding backward"),
 }
 OVER = {"full-ac-chunked-loss-sp3": {"layer backward": 0.05}}  # known over-estimates, per phase
-# known under-estimates, per phase: with head stages and full AC the tracker holds about 1.3 [T, D]
-# more in a layer's backward than the estimate's terms, not yet explained (not the peak phase here;
-# at 6M tokens over sp=8 the estimate is 3.1% over the tracked peak, docs/benchmarks.md)
-UNDER = {"staged4-full-ac-tiled-sp8": {"layer backward": 0.04}, "staged8-full-ac-tiled-one-gpu": {"layer backward": 0.04}}
+UNDER: dict = {}  # known under-estimates per case and phase (none now)
 
 
 @pytest.mark.parametrize("case", list(CASES))
