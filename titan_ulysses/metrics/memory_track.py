@@ -293,7 +293,7 @@ def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, lo
         with torch.device("meta"):
             model = build_model(args, compute)
         lora = LoRAOptions(rank=switches.lora_rank) if switches.lora_rank else None
-        parallelize_model(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, param_dtype=dtype, lora=lora,
+        parallelize_model(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, ac_layers_per_checkpoint=switches.ac_layers_per_checkpoint, param_dtype=dtype, lora=lora,
                                                         ulysses_head_stages=switches.head_stages,
                                                         ulysses_stage_keep_attention=switches.stage_keep_attention))
         with FakeTensorMode(allow_non_fake_inputs=True):
