@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from model_harness import small_args, trained_like
+from dist_utils import assert_close, run_distributed
+from model_harness import build_pair, clean_name, full, make_batch, parallel_step, reference_step, small_args, trained_like
 from test_activation_offload import _offload_on_cpu
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.activation_offload import apply_activation_offload
@@ -61,6 +62,34 @@ def test_groups_match_no_checkpointing(mode, k, n_layers):
     assert set(grads) == {n for n, _ in ref.named_parameters()}  # the parameter names are those of the model
     for n, p in ref.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+
+
+def _sp2_groups():
+    import torch.distributed as dist
+
+    from titan_ulysses.distributed.parallel_dims import ParallelDims
+    from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+
+    pd = ParallelDims(sp=2, world_size=dist.get_world_size())
+    pd.build_mesh("cpu")
+    args = small_args(n_layers=3)
+    options = ParallelizeOptions(ac_mode="full_offload", ac_layers_per_checkpoint=2, param_dtype=torch.float32,
+                                 ulysses_head_stages=2, ulysses_stage_keep_attention=False)
+    ref, model = build_pair(args, pd, options, trained=True)
+    inputs, labels = make_batch(0, 2, 13, args.vocab_size)
+    ref_loss = reference_step(ref, inputs, labels)
+    loss, _ = parallel_step(model, pd, inputs, labels)
+    assert_close(loss.float(), ref_loss.float(), "loss")
+    ref_params = dict(ref.named_parameters())
+    grads = {clean_name(n): full(p.grad) for n, p in model.named_parameters()}
+    assert grads.keys() == ref_params.keys()
+    for name, g in grads.items():
+        assert_close(g, ref_params[name].grad, f"grad {name}")
+
+
+def test_groups_under_fsdp_ulysses_and_head_stages_match_one_process():
+    """sp=2 (FSDP over the two ranks, head-staged Ulysses): a group of two blocks and a last group of one."""
+    run_distributed(_sp2_groups, 2)
 
 
 def test_groups_need_full_checkpointing():

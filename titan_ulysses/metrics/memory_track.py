@@ -231,7 +231,7 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
     extrapolated to ``args.n_layers`` (see the module docstring)."""
     import dataclasses
 
-    depths = tracked_layer_counts(args.n_layers, extrapolate)
+    depths = tracked_layer_counts(args.n_layers, extrapolate and switches.ac_layers_per_checkpoint == 1)  # groups: every layer
     if len(depths) == 1:
         return _track(args, layout, switches, seq_len, local_batch)
     small, large = (_track(dataclasses.replace(args, n_layers=n), layout, switches, seq_len, local_batch)
