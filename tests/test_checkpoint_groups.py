@@ -93,8 +93,17 @@ def test_groups_under_fsdp_ulysses_and_head_stages_match_one_process():
 
 
 def test_groups_need_full_checkpointing():
-    with pytest.raises(ValueError, match="layers_per_checkpoint 2 needs activation_checkpoint.mode full or "
-                                         "full_offload, not 'selective'; set layers_per_checkpoint 1"):
+    from titan_ulysses.config.manager import ConfigError, load_config
+    from titan_ulysses.preflight import validate
+
+    message = ("activation_checkpoint.layers_per_checkpoint 2 needs activation_checkpoint.mode full or full_offload, "
+               "not 'selective'; set layers_per_checkpoint 1 or mode full_offload")
+    config = load_config(["--config", "train_configs/debug_model.toml", "--activation_checkpoint.mode", "selective",
+                          "--activation_checkpoint.layers_per_checkpoint", "2"])
+    with pytest.raises(ConfigError) as refused:
+        validate(config, 2)  # before any process group
+    assert str(refused.value) == message
+    with pytest.raises(ValueError, match="layers_per_checkpoint 2 needs"):  # and a direct caller of apply_ac
         apply_ac(Transformer(small_args()), "selective", layers_per_checkpoint=2)
 
 

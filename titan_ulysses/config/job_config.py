@@ -173,8 +173,8 @@ class ActivationCheckpoint:
     layers_per_checkpoint: int = 1
     """Under mode full / full_offload: blocks are also checkpointed in groups of this many (the last
     group may be shorter), so forward keeps (offloads) only each group's input: 1/k of the block inputs.
-    Backward recomputes a group's forward first, holding its k block inputs on the device, then each
-    block's own: k - 1 more block forwards per group (and all-gathers under FSDP). 1 = per block."""
+    Backward recomputes a group's forward first, holding its k block inputs (and gathered parameters)
+    on the device, then each block's own: k - 1 more block forwards per group. 1 = per block."""
 
 
 @dataclass

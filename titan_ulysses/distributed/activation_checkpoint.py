@@ -20,9 +20,11 @@ inner block's input is packed by the group's checkpoint, which keeps nothing. Ba
 first runs the group's forward again, keeping its blocks' inputs on the device (k of them, one
 restored from the host) until each block's own backward -- with its own recompute, as with k = 1
 -- is done. Cost: one more forward of k - 1 blocks per group (PyTorch stops the group's recompute
-once its last block's input is back), nearly one more block forward per layer for large k, and
-under FSDP one more all-gather of those blocks' parameters; memory: the kept inputs shrink to
-1/k, and a group's backward holds k - 1 block inputs more than a block's.
+once its last block's input is back): (k - 1) / k block forwards per layer, nearly one for large k.
+Memory: the kept inputs shrink to 1/k; a group's backward holds k - 1 block inputs more than a
+block's, and under FSDP k - 1 blocks' gathered parameters more (FSDP does not reshard after a
+forward inside backward: the group's recompute gathers its blocks, their own backward frees them).
+The forward of a group holds its input until the group returns: one block input more than k = 1.
 """
 
 from __future__ import annotations
