@@ -49,6 +49,7 @@ from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.data.sharding import check_seq_len
 from titan_ulysses.data.sources import DataError, list_files, read_rows, work_items
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
+from titan_ulysses.distributed.activation_checkpoint import check_layers_per_checkpoint
 from titan_ulysses.distributed.float8 import check_float8, float8_options
 from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.distributed.parallel_dims import ParallelDims
@@ -99,6 +100,10 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         raise ConfigError(f"parallelism.ulysses_head_stages {p.ulysses_head_stages} with {other}: the staged "
                           f"attention slices plain nn.Linear projections per head group only; set "
                           f"parallelism.ulysses_head_stages 1")
+    try:
+        check_layers_per_checkpoint(config.activation_checkpoint.mode, config.activation_checkpoint.layers_per_checkpoint)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     try:
         check_seq_len(t.seq_len, dims.sp, dims.cp)
     except ValueError as e:

@@ -151,6 +151,7 @@ class Trainer:
             model = build_model(self.args, self.compute)
         options = ParallelizeOptions(
             ac_mode=config.activation_checkpoint.mode,
+            ac_layers_per_checkpoint=config.activation_checkpoint.layers_per_checkpoint,
             compile=config.compile.enable,
             param_dtype=DTYPES[t.mixed_precision_param],
             reduce_dtype=DTYPES[t.mixed_precision_reduce],

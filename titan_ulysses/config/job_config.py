@@ -170,6 +170,11 @@ class ActivationCheckpoint:
     mode: str = "none"
     """none, full (recompute each block), selective (keep matmul/attention/collective outputs)
     or full_offload (full, with each block's saved input in host memory)."""
+    layers_per_checkpoint: int = 1
+    """Under mode full / full_offload: blocks are also checkpointed in groups of this many (the last
+    group may be shorter), so forward keeps (offloads) only each group's input: 1/k of the block inputs.
+    Backward recomputes a group's forward first, holding its k block inputs (and gathered parameters)
+    on the device, then each block's own: k - 1 more block forwards per group. 1 = per block."""
 
 
 @dataclass

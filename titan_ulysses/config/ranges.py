@@ -47,6 +47,7 @@ RANGES: dict[str, tuple] = {
     "checkpoint.interval": (0, None, False, False),
     "checkpoint.keep_latest_k": (0, None, True, False),  # 0 keeps all
     "parallelism.ulysses_head_stages": (1, None, True, False),  # 1 = off; divides the heads: config/manager.py
+    "activation_checkpoint.layers_per_checkpoint": (1, None, True, False),  # > 1 only under full AC: preflight.py
     "metrics.log_freq": (0, None, False, False),
     "comm.fake_world_size": (1, None, True, False),
     "comm.link_bandwidth_gbps": (0, None, False, False),

@@ -11,16 +11,31 @@
 * ``full_offload``: ``full``, and the one tensor each block still keeps (its input,
   ``[B, S/sp, D]``) goes to pinned host memory until backward needs it, the copies
   overlapped with compute on CUDA: see ``activation_offload.py``.
+
+Groups (``activation_checkpoint.layers_per_checkpoint`` = k > 1, full and full_offload; Megatron's
+uniform ``recompute_num_layers``): each block keeps its own checkpoint, and every k consecutive
+blocks run under one more checkpoint (the last group may be shorter; a group of one is just its
+block). Forward then keeps only each group's input (under full_offload, in host memory): an
+inner block's input is packed by the group's checkpoint, which keeps nothing. Backward of a group
+first runs the group's forward again, keeping its blocks' inputs on the device (k of them, one
+restored from the host) until each block's own backward -- with its own recompute, as with k = 1
+-- is done. Cost: one more forward of k - 1 blocks per group (PyTorch stops the group's recompute
+once its last block's input is back): (k - 1) / k block forwards per layer, nearly one for large k.
+Memory: the kept inputs shrink to 1/k; a group's backward holds k - 1 block inputs more than a
+block's, and under FSDP k - 1 blocks' gathered parameters more (FSDP does not reshard after a
+forward inside backward: the group's recompute gathers its blocks, their own backward frees them).
+The forward of a group holds its input until the group returns: one block input more than k = 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titan_ulysses.ops.attention import save_ops as attention_save_ops
 from titan_ulysses.ops.tiled import tiled_forward_running
@@ -62,9 +77,53 @@ def _selective_context():
     return create_selective_checkpoint_contexts(functools.partial(_selective_policy, _save_list()))
 
 
-def apply_ac(model: nn.Module, mode: str) -> None:
+def check_layers_per_checkpoint(mode: str, layers_per_checkpoint: int) -> None:
+    """Groups of layers exist only over blocks that recompute whole (full, full_offload)."""
+    if layers_per_checkpoint > 1 and mode not in ("full", "full_offload"):
+        raise ValueError(f"activation_checkpoint.layers_per_checkpoint {layers_per_checkpoint} needs "
+                         f"activation_checkpoint.mode full or full_offload, not {mode!r}; set "
+                         f"layers_per_checkpoint 1 or mode full_offload")
+
+
+def _run_group(blocks: list[nn.Module], h, rope, attention_mask):
+    for block in blocks:
+        h = block(h, rope, attention_mask)  # [B, S, D]
+    return h
+
+
+class CheckpointGroups:
+    """``Transformer.layer_units``: ``layers`` in groups of ``k`` blocks, each group under one checkpoint
+    around the blocks' own (module docstring)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.around_group = contextlib.nullcontext
+        """Entered around each group's forward: ``activation_offload.py`` puts its saved-tensor hooks here."""
+
+    def groups(self, layers: nn.ModuleDict) -> list[list[nn.Module]]:
+        blocks = list(layers.values())  # at call time: compile and FSDP replace or wrap them after apply_ac
+        return [blocks[i:i + self.k] for i in range(0, len(blocks), self.k)]
+
+    def __call__(self, layers: nn.ModuleDict) -> list:
+        return [functools.partial(self._run, blocks) for blocks in self.groups(layers)]
+
+    def _run(self, blocks: list[nn.Module], h, rope, attention_mask):  # [B, S, D] -> [B, S, D]
+        with self.around_group():
+            if len(blocks) == 1:
+                return blocks[0](h, rope, attention_mask)
+            return checkpoint(_run_group, blocks, h, rope, attention_mask, use_reentrant=False,
+                              preserve_rng_state=False)
+
+
+def apply_ac(model: nn.Module, mode: str, layers_per_checkpoint: int = 1) -> None:
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpoint.mode {mode!r} is not one of {list(AC_MODES)}")
+    check_layers_per_checkpoint(mode, layers_per_checkpoint)
+    if layers_per_checkpoint > 1:
+        if not hasattr(model, "layer_units"):
+            raise ValueError(f"activation_checkpoint.layers_per_checkpoint {layers_per_checkpoint}: "
+                             f"{type(model).__name__} has no layer_units to group; set layers_per_checkpoint 1")
+        model.layer_units = CheckpointGroups(layers_per_checkpoint)
     if mode == "none":
         return
     for name, block in model.layers.named_children():

@@ -18,19 +18,27 @@ tables every block shares) stays on the device instead of travelling once per bl
 tensors smaller than ``min_bytes`` stay too. On a CPU-only run nothing moves (there is no
 host memory to move to): the hooks are still installed, so numerics are those of ``full``.
 
-The hooks sit on the outermost module of each block, outside any compiled region
+Under activation checkpointing in groups of layers (``activation_checkpoint.py``'s
+``CheckpointGroups``) the unit is a group instead of a block: the hooks are entered around
+each group's forward, where only the group's input is saved (its blocks' inputs are the
+group checkpoint's to recompute), so exactly the group inputs travel.
+
+The hooks sit on the outermost module of each block (or around each group), outside any compiled region
 (``torch.compile`` cannot trace saved-tensor hooks), so :func:`apply_activation_offload`
 runs after ``apply_compile``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+
+from titan_ulysses.distributed.activation_checkpoint import CheckpointGroups
 
 
 class _Group:
@@ -68,10 +76,16 @@ class ActivationOffloader:
         self._last, self._seen, self.offloaded_bytes = None, {}, 0
 
     def enter_block(self, module, args) -> None:
+        module._offload_ctx = self.unit()
+        module._offload_ctx.__enter__()
+
+    @contextlib.contextmanager
+    def unit(self):
+        """One block's (or group's) forward: what it saves moves as one ``_Group``."""
         group = _Group(self._last)
         self._last = group
-        module._offload_ctx = saved_tensors_hooks(functools.partial(self._pack, group), self._unpack)
-        module._offload_ctx.__enter__()
+        with saved_tensors_hooks(functools.partial(self._pack, group), self._unpack):
+            yield
 
     @staticmethod
     def exit_block(module, args, output) -> None:
@@ -162,8 +176,12 @@ def apply_activation_offload(model: nn.Module, min_bytes: int = 1 << 20) -> Acti
     """
     offloader = ActivationOffloader(min_bytes)
     model.register_forward_pre_hook(offloader.start_forward)
-    for block in model.layers.children():
-        block.register_forward_pre_hook(offloader.enter_block)
-        block.register_forward_hook(offloader.exit_block, always_call=True)
+    runner = getattr(model, "layer_units", None)
+    if isinstance(runner, CheckpointGroups):  # groups of layers: the group is the unit
+        runner.around_group = offloader.unit
+    else:
+        for block in model.layers.children():
+            block.register_forward_pre_hook(offloader.enter_block)
+            block.register_forward_hook(offloader.exit_block, always_call=True)
     model.activation_offloader = offloader  # read by metrics/system.py
     return offloader

@@ -34,6 +34,7 @@ def from_config(config, dims):
     dp = dims.size("dp")
     switches = Switches(
         ac_mode=config.activation_checkpoint.mode, loss_chunk_size=config.model.loss_chunk_size,
+        ac_layers_per_checkpoint=config.activation_checkpoint.layers_per_checkpoint,
         mlp_tile_size=config.model.mlp_tile_size, cpu_offload=t.enable_cpu_offload,
         act_bytes=2 if t.mixed_precision_param == "bfloat16" else 4,
         microbatches=resolved_global_batch_size(config, dp) // (t.local_batch_size * dp),

@@ -295,7 +295,7 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
 
     from titan_ulysses.metrics import track_extrapolation as ex
 
-    depths = ex.tracked_layer_counts(args.n_layers, extrapolate)
+    depths = ex.tracked_layer_counts(args.n_layers, extrapolate and switches.ac_layers_per_checkpoint == 1)  # groups: every layer
     lengths, why = ex.sample_lengths(seq_len, layout, switches) if extrapolate else ((seq_len,), "")
     at_depth = {n: dataclasses.replace(args, n_layers=n) for n in depths}
     steps: dict[int, StepMemory] = {}
@@ -364,7 +364,7 @@ def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, lo
         with torch.device("meta"):
             model = build_model(args, compute)
         lora = LoRAOptions(rank=switches.lora_rank) if switches.lora_rank else None
-        parallelize_model(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, param_dtype=dtype, lora=lora,
+        parallelize_model(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, ac_layers_per_checkpoint=switches.ac_layers_per_checkpoint, param_dtype=dtype, lora=lora,
                                                         ulysses_head_stages=switches.head_stages,
                                                         ulysses_stage_keep_attention=switches.stage_keep_attention))
         with FakeTensorMode(allow_non_fake_inputs=True):

@@ -136,6 +136,11 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(self.weight_init_std)
 
 
+def each_block(layers: nn.ModuleDict):
+    """The units forward runs in turn, each ``(h [B, S, D], rope, attention_mask) -> h``: every block."""
+    return layers.values()
+
+
 class Transformer(nn.Module):
     def __init__(self, args: LlamaArgs, compute: ComputeOptions | None = None):
         super().__init__()
@@ -150,6 +155,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         self.longrope = args.rope_scaling is not None and args.rope_scaling.rope_type == "longrope"
         self.register_buffer("rope_long_inv_freq", self._long_inv_freq(), persistent=False)
+        self.layer_units = each_block
+        """``self.layers`` -> what forward runs in turn (a plain attribute, not a module: no parameter name
+        changes); activation checkpointing in groups of blocks replaces it (``distributed/activation_checkpoint.py``)."""
         self.rope_seq_len = 0
         """Full sequence length for longrope's choice of factors (0: the last of the local positions + 1,
         right in one process; under Ulysses / cp the trainer sets it to training.seq_len)."""
@@ -189,8 +197,8 @@ class Transformer(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         rope = self.rope(positions)
         h = self.embed(tokens)  # [B, S, D]
-        for layer in self.layers.values():
-            h = layer(h, rope, attention_mask)
+        for unit in self.layer_units(self.layers):  # h is each unit's alone: an input held here would stay alive
+            h = unit(h, rope, attention_mask)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight  # [V, D]
         return self.head(h, weight, labels)

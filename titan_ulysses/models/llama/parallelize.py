@@ -24,6 +24,8 @@ from titan_ulysses.models.llama.model import Transformer
 class ParallelizeOptions:
     ac_mode: str = "none"
     """Activation checkpointing per block: "none", "full" or "selective"."""
+    ac_layers_per_checkpoint: int = 1
+    """Under full / full_offload AC, also checkpoint groups of this many blocks (``activation_checkpoint.layers_per_checkpoint``)."""
     compile: bool = False
     """torch.compile each transformer block with fullgraph=True."""
     param_dtype: torch.dtype = torch.bfloat16
@@ -66,7 +68,7 @@ def parallelize_llama(
         if parallel_dims.tp_enabled:
             raise ValueError("lora with tensor parallelism is not supported (config/manager.py says why)")
         apply_lora(model, options.lora, options.param_dtype)
-    apply_ac(model, options.ac_mode)
+    apply_ac(model, options.ac_mode, options.ac_layers_per_checkpoint)
     if options.compile:
         apply_compile(model)
     if options.ac_mode == "full_offload":
