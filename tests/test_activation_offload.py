@@ -97,3 +97,25 @@ def test_a_tensor_every_block_saves_travels_once():
     moved.clear()
     net(x, table).sum().backward()
     assert moved == [(4, 16)] * 4
+
+
+def test_host_copies_are_pieces_the_pinned_allocator_does_not_round_up():
+    """The pinned host allocator rounds each buffer up to a power of two (a 5.75 GiB block input of the
+    8B at 6M over sp=8 would take 8 GiB): copies are power-of-two pieces instead, exact to the floor."""
+    from titan_ulysses.distributed.host_copy import FLOOR, HostCopy, piece_sizes
+
+    block_input = 753_664 * 4096 * 2  # [S/sp, D] in bf16 at 6,029,312 tokens over sp=8
+    sizes = piece_sizes(block_input)
+    assert sum(sizes) == block_input and all(s & (s - 1) == 0 and s >= FLOOR for s in sizes)
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    for n in (1, FLOOR - 1, FLOOR, FLOOR + 1, 3 * FLOOR + 5):
+        assert 0 <= sum(piece_sizes(n)) - n < FLOOR
+    torch.manual_seed(0)
+    for t in (torch.randn(3, 1001, 7, dtype=torch.bfloat16), torch.randn(5, 9), torch.randn(8, 6).t()):
+        copy = HostCopy(t, pin=False, floor=64)  # a small floor: several pieces, the last one partly used
+        assert (copy.whole is None) == t.is_contiguous()
+        nbytes = t.numel() * t.element_size()
+        assert 0 <= copy.host_bytes - nbytes < 64 or not t.is_contiguous()
+        back = copy.restore(non_blocking=False)
+        assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+        assert copy.pieces == [] and copy.whole is None  # the host memory is let go

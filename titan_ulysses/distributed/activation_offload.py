@@ -5,7 +5,8 @@ the shared RoPE tables), and even that adds up: Llama-3-8B at 1M tokens over sp=
 32 x 1 GiB in bf16. This moves those tensors to pinned host memory and back, overlapped
 with compute on CUDA:
 
-* forward: each block's saved tensors are copied device -> host on a side stream that
+* forward: each block's saved tensors are copied device -> host (in pieces the pinned
+  allocator does not round up to a power of two: ``host_copy.py``) on a side stream that
   waits only for the work that produced them; the compute stream runs on, and the
   allocator is told (``record_stream``) not to reuse the device memory before the copy
   has read it.
@@ -39,6 +40,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from titan_ulysses.distributed.activation_checkpoint import CheckpointGroups
+from titan_ulysses.distributed.host_copy import HostCopy
 
 
 class _Group:
@@ -53,7 +55,7 @@ class _Group:
 
 
 class _Entry:
-    def __init__(self, group: _Group, host: torch.Tensor, device: torch.device):
+    def __init__(self, group: _Group, host: torch.Tensor | HostCopy, device: torch.device):
         self.group, self.host, self.device = group, host, device
         self.restored: torch.Tensor | None = None
         self.uses = 1  # saved tensors packed as this entry, each unpacked once; the last unpack lets go of it
@@ -146,10 +148,9 @@ class ActivationOffloader:
         stream = self._side_stream(t.device)
         if stream is None:
             return t.detach().to("cpu", copy=True)
-        host = torch.empty_like(t, device="cpu", pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(t.device))  # t has been computed
         with torch.cuda.stream(stream):
-            host.copy_(t.detach(), non_blocking=True)
+            host = HostCopy(t, pin=True)  # pieces the pinned allocator does not round up (host_copy.py)
         t.record_stream(stream)  # its memory is not reused before the copy has read it
         return host
 
@@ -164,7 +165,7 @@ class ActivationOffloader:
             return
         with torch.cuda.stream(stream):  # after this group's device -> host copies (same stream)
             for e in group.entries:  # the host allocator keeps each buffer until its copy is done
-                e.restored, e.host = e.host.to(e.device, non_blocking=True), None
+                e.restored, e.host = e.host.restore(non_blocking=True), None
             group.ready = torch.cuda.Event()
             group.ready.record(stream)
 
