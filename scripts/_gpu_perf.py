@@ -206,12 +206,16 @@ def longest(config_name: str, extra: list[str], lengths: tuple[int, int], target
             config, lengths_, warm = os.path.join(CONFIGS, config_name), lengths, 8192
             overrides = [*SYNTHETIC, *LONG, *extra, "--training.global_batch_size", "-1",
                          "--training.local_batch_size", "1", "--compile.enable", "false"]
-        n_layers = model_args(load_config(["--config", config, *overrides]), 0).n_layers
+        loaded = load_config(["--config", config, *overrides])
+        n_layers = model_args(loaded, 0).n_layers
+        # groups of k checkpointed layers (activation_checkpoint.layers_per_checkpoint) repeat every k
+        # layers: measure one and two groups
+        k = loaded.activation_checkpoint.layers_per_checkpoint
         peaks, steps = {}, {}
         for s in lengths_:
-            for layers in (1, 2):
+            for layers in (k, 2 * k):
                 r = _trial(ctx, config, overrides, layers, s, warm)
-                so_far = {f"peak_gib_{k[0] // 1024}K_{k[1]}L": v / 2**30 for k, v in peaks.items()}
+                so_far = {f"peak_gib_{key[0] // 1024}K_{key[1]}L": v / 2**30 for key, v in peaks.items()}
                 if "error" in r:
                     return {"status": "fail", "figures": so_far, "detail": f"trial {layers} layer(s) at {s}: {r['error']}"}
                 if r.get("oom"):
@@ -219,8 +223,8 @@ def longest(config_name: str, extra: list[str], lengths: tuple[int, int], target
                             "detail": f"out of memory with {layers} layer(s) at {s} tokens"}
                 peaks[(s, layers)] = r["peak_allocated"] if ctx.cuda else 1.0 * layers * s
                 steps[(s, layers)] = r["step_s"]
-        # peak(S, L) = a(S) + (L - 1) * b(S), with a and b linear in S
-        full = {s: peaks[(s, 1)] + (n_layers - 1) * (peaks[(s, 2)] - peaks[(s, 1)]) for s in lengths_}
+        # peak(S, L) = a(S) + (L / k - 1) * b(S), with a and b linear in S
+        full = {s: peaks[(s, k)] + (n_layers / k - 1) * (peaks[(s, 2 * k)] - peaks[(s, k)]) for s in lengths_}
         s0, s1 = lengths_
         slope = (full[s1] - full[s0]) / (s1 - s0)
         device = torch.cuda.get_device_properties(0).total_memory if ctx.cuda else 64 * 2**30
@@ -228,11 +232,11 @@ def longest(config_name: str, extra: list[str], lengths: tuple[int, int], target
         best = int(s1 + (usable - full[s1]) / slope) if slope > 0 else None
         gib = 2**30
         figures = {f"peak_gib_{s // 1024}K_{n_layers}L": full[s] / gib for s in lengths_}
-        figures.update({f"step_s_{s // 1024}K_2L": steps[(s, 2)] for s in lengths_})
+        figures.update({f"step_s_{s // 1024}K_{2 * k}L": steps[(s, 2 * k)] for s in lengths_})
         figures["longest_tokens"] = best
         met = best is not None and best >= target
         return {"status": "measured", "figures": figures,
-                "detail": f"{what}: peaks (allocated) measured with 1 and 2 layers at {lengths_[0]} and {lengths_[1]} "
+                "detail": f"{what}: peaks (allocated) measured with {k} and {2 * k} layers at {lengths_[0]} and {lengths_[1]} "
                           f"tokens, extrapolated to {n_layers} layers and to {usable / gib:.0f} GiB; target {target}: "
                           f"{'met' if met else 'not met'} by this extrapolation"}
 
@@ -276,6 +280,8 @@ LIMIT_CASES = [
                                                     "Llama-3-8B, simulated rank of sp=8, 4 head stages"), 360, 20),
     Case("longest_1b_2m_one_gpu_stages8", longest("llama3_1b_2m_one_gpu.toml", [], (512 * K, 1024 * K), 2_000_000,
                                                   "1B shape, one GPU, 8 head stages, CPU offload"), 300, 20),
-    Case("longest_8b_1m_one_gpu_stages8", longest("llama3_8b_1m_one_h200.toml", [], (256 * K, 512 * K), 1_200_000,
-                                                  "Llama-3-8B, one GPU (H200), 8 head stages, CPU offload"), 300, 20),
+    # checkpoint groups of 4 layers: trials of 4 and 8 layers, so shorter lengths than the others
+    Case("longest_8b_1m_one_gpu_stages8", longest("llama3_8b_1m_one_h200.toml", [], (128 * K, 256 * K), 1_200_000,
+                                                  "Llama-3-8B, one GPU (H200), 8 head stages, CPU offload, "
+                                                  "checkpoint groups of 4 layers"), 300, 20),
 ]
