@@ -74,7 +74,10 @@ class Parallelism:
     ulysses_head_stages: int = 1
     """Attention in this many stages of head groups, each projected, exchanged and attended in turn,
     so one stage's full-sequence q/k/v/out are alive at a time (1 = off; must divide the q heads
-    per Ulysses rank, at most their count where the split is uneven; not with tensor parallelism)."""
+    per Ulysses rank, at most their count where the split is uneven; not with tensor parallelism).
+    Meant for activation_checkpoint.mode full or full_offload: under selective AC the layer's cache
+    keeps, per stage, what selective AC keeps (projections, exchanges and the stage's [B, S/sp, D]
+    share of the output), stages times the one share plain Ulysses keeps."""
     ulysses_stage_keep_attention: bool = True
     """With ulysses_head_stages > 1: each stage keeps its attention kernel's output and logsumexp
     for backward, so backward recomputes only the stage's projections and exchange, not attention
