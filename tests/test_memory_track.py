@@ -158,3 +158,19 @@ def test_clipping_holds_no_global_shapes():
     # what else is there: the token inputs and the norms' fp32 scalars
     rest = sum(v for k, v in clip.items() if k not in ("Sharded Param", "Sharded Grad", "OptState", "Inputs"))
     assert rest < 4096, clip
+
+
+def test_groups_extrapolate_in_groups():
+    """Checkpointed in groups of 2 (full_offload), 9 layers are traced at 5 and 7 (three and four groups, the last
+    of one layer as at 9) and extrapolated: every phase, its kinds and the host peak equal the step traced at 9."""
+    args = get_flavor("debugmodel", n_layers=9, dim=256, n_heads=8, n_kv_heads=2, ffn_hidden_dim=512, vocab_size=1024)
+    switches, seq = Switches(ac_mode="full_offload", ac_layers_per_checkpoint=2, loss_chunk_size=1024), 4096
+    fast = track_step(args, Layout(), switches, seq)
+    direct = track_step(args, Layout(), switches, seq, extrapolate=False)
+    assert fast.traced.startswith("traced at 5 and 7 layers (3 and 4 groups of 2, the last of 1) x"), fast.traced
+    assert direct.traced == "traced at 9 layers x 4,096 tokens"
+    layers = [f"layer {i} backward" for i in (8, 7, 6, 3, 2, 1, 0)]  # the two lowest and the two highest groups
+    assert [n for n in fast.phases if n.startswith("layer ")] == layers
+    assert {n: (p.peak, p.kinds) for n, p in fast.phases.items()} == \
+        {n: (direct.phases[n].peak, direct.phases[n].kinds) for n in fast.phases}
+    assert (fast.peak, fast.host_peak) == (direct.peak, direct.host_peak) and fast.host_peak == 5 * 2 * 256 * seq
