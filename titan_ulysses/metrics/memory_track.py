@@ -31,7 +31,8 @@ an all-gather or reduce-scatter, are not counted).
 Cost: every op is a Python call into the tracker, so the time grows with the layers and with
 the tokens over the chunk sizes. ``track_extrapolation.py`` says which steps are traced (three and
 four layers, or groups of checkpointed layers; short lengths, each event's bytes extrapolated
-affinely in the tokens, checked on a third length, else the full length) and why that is exact; ``StepMemory.traced`` says what was.
+affinely in the tokens, checked on a third length, else the full length) and why that is exact;
+``StepMemory.traced`` says what was.
 DTensor's sharding propagation runs ops on fake tensors of the global shapes to learn output
 shapes; that is not counted (``_sharding_metadata_unseen``).
 One artefact of the tracker itself: its wrapper of FSDP's post-backward keeps the last
@@ -290,7 +291,8 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
 
     With ``extrapolate``: traced at three and four layers (more than four), or groups of
     ``Switches.ac_layers_per_checkpoint`` layers, and at short lengths (a long one), each phase
-    extrapolated to ``args.n_layers`` and ``seq_len`` (``track_extrapolation.py``); ``StepMemory.traced`` says what was traced."""
+    extrapolated to ``args.n_layers`` and ``seq_len`` (``track_extrapolation.py``); ``StepMemory.traced``
+    says what was traced."""
     import dataclasses
 
     from titan_ulysses.metrics import track_extrapolation as ex
