@@ -146,8 +146,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from titan_ulysses.distributed.heads import attended_heads
-from titan_ulysses.metrics import memory_groups as groups
 from titan_ulysses.distributed.staged_attention import stage_plans
+from titan_ulysses.metrics import memory_groups as groups
 from titan_ulysses.ops.norm import CHUNK_TOKENS as NORM_CHUNK_TOKENS
 from titan_ulysses.models.llama.args import LlamaArgs
 
@@ -380,9 +380,9 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
         trained = s.lora_rank * (2 * (d + q) + 2 * (d + kv) + 3 * (d + f))
         lora_shard = args.n_layers * trained / n
         states = {"parameters": a * shard + 4 * lora_shard, "gradients": 4 * lora_shard, "optimizer": 8 * lora_shard}
-    host_states = states if s.cpu_offload else dict.fromkeys(states, 0.0)
+    host_states = dict.fromkeys(states, 0.0)  # FSDP CPU offload's, in host memory
     if s.cpu_offload:
-        states = dict.fromkeys(states, 0.0)
+        host_states, states = states, host_states
     block_grad = states["gradients"] and 4 * trained / n  # one block's sharded fp32 gradient (0 when offloaded)
     per_layer = layer_bytes_per_token(args, layout, s, s.ac_mode)
     # token ids, the root's fp32 RoPE tables (cos and sin, [T, Dh/2] each), the final norm's input and scale, its output
