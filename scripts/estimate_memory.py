@@ -127,9 +127,12 @@ def track(args, layout, switches, seq_len: int, batch: int, est) -> dict:
     from titan_ulysses.metrics.memory_track import track_step
     from titan_ulysses.metrics.track_extrapolation import sample_lengths, tracked_layer_counts
 
-    depths = tracked_layer_counts(args.n_layers)
+    k = switches.ac_layers_per_checkpoint
+    # a step's block forwards: each block's, and a group's recompute runs its blocks but the last again
+    forwards = {d: d + (d - -(-d // k) if k > 1 else 0) for d in tracked_layer_counts(args.n_layers, group=k)}
     lengths = sample_lengths(seq_len, layout, switches)[0]
-    passes = sum(depths) * 2 + depths[-1] if len(lengths) > 1 else sum(depths)  # samples x depths, and the check
+    passes = sum(forwards.values()) * (2 if len(lengths) > 1 else 1) + \
+        (forwards[max(forwards)] if len(lengths) > 1 else 0)  # samples x depths, and the check
     try:
         with _block_progress(passes * switches.microbatches, "--track: block forwards"):
             step = track_step(args, layout, switches, seq_len, batch)

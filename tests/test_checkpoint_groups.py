@@ -5,8 +5,6 @@ the group's forward again, then each block's own recompute and backward. The los
 gradient must equal a model without checkpointing, and exactly the group inputs travel.
 """
 
-import math
-
 import pytest
 import torch
 
@@ -106,21 +104,3 @@ def test_groups_need_full_checkpointing():
     with pytest.raises(ValueError, match="layers_per_checkpoint 2 needs"):  # and a direct caller of apply_ac
         apply_ac(Transformer(small_args()), "selective", layers_per_checkpoint=2)
 
-
-def test_tracker_host_drops_to_a_group_input_per_group():
-    """The tracked step under full_offload: the host keeps one block input per group instead of one
-    per block, and the device peak (the top group's backward) holds k - 1 block inputs more (plus, in
-    the tracker, about the RoPE tables' size and k - 1 blocks' unsharded parameters: kept small here)."""
-    from titan_ulysses.metrics.memory_estimate import Layout, Switches
-    from titan_ulysses.metrics.memory_track import track_step
-
-    n, k, seq = 4, 2, 16384
-    args = small_args(n_layers=n, dim=128, n_heads=8, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=256)
-    block_input = seq * args.dim * 2  # bf16 [1, S, D]
-    steps = {kk: track_step(args, Layout(), Switches(ac_mode="full_offload", ac_layers_per_checkpoint=kk,
-                                                     loss_chunk_size=4096), seq, extrapolate=False)
-             for kk in (1, k)}
-    assert steps[1].host_peak == n * block_input
-    assert steps[k].host_peak == math.ceil(n / k) * block_input
-    grown = steps[k].peak - steps[1].peak
-    assert (k - 1) * block_input <= grown <= (k - 0.5) * block_input, grown / block_input

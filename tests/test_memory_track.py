@@ -49,6 +49,11 @@ CASES = {
                                                          head_stages=4), 262144, "loss backward"),
     "staged8-full-ac-tiled-one-gpu": (Layout(), Switches(ac_mode="full", loss_chunk_size=8192, mlp_tile_size=8192,
                                                          head_stages=8), 65536, "embedding backward"),
+    # checkpointed in a group of both layers, full_offload (memory_groups.py): the group's backward holds the lower
+    # block's input and parameters beside the upper one's
+    "group2-offload-staged8-tiled-one-gpu": (
+        Layout(), Switches(ac_mode="full_offload", ac_layers_per_checkpoint=2, loss_chunk_size=8192,
+                           mlp_tile_size=8192, head_stages=8), 65536, "embedding backward"),
 }
 OVER = {"full-ac-chunked-loss-sp3": {"layer backward": 0.05}}  # known over-estimates, per phase
 UNDER: dict = {}  # known under-estimates per case and phase (none now)
@@ -158,3 +163,44 @@ def test_clipping_holds_no_global_shapes():
     # what else is there: the token inputs and the norms' fp32 scalars
     rest = sum(v for k, v in clip.items() if k not in ("Sharded Param", "Sharded Grad", "OptState", "Inputs"))
     assert rest < 4096, clip
+
+
+def test_groups_extrapolate_in_groups():
+    """Checkpointed in groups of 2 (full_offload), 9 layers are traced at 5 and 7 (three and four groups, the last
+    of one layer as at 9) and extrapolated: every phase, its kinds and the host peak equal the step traced at 9."""
+    args = get_flavor("debugmodel", n_layers=9, dim=256, n_heads=8, n_kv_heads=2, ffn_hidden_dim=512, vocab_size=1024)
+    switches, seq = Switches(ac_mode="full_offload", ac_layers_per_checkpoint=2, loss_chunk_size=1024), 4096
+    fast = track_step(args, Layout(), switches, seq)
+    direct = track_step(args, Layout(), switches, seq, extrapolate=False)
+    assert fast.traced.startswith("traced at 5 and 7 layers (3 and 4 groups of 2, the last of 1) x"), fast.traced
+    assert direct.traced == "traced at 9 layers x 4,096 tokens"
+    layers = [f"layer {i} backward" for i in (8, 7, 6, 3, 2, 1, 0)]  # the two lowest and the two highest groups
+    assert [n for n in fast.phases if n.startswith("layer ")] == layers
+    assert {n: (p.peak, p.kinds) for n, p in fast.phases.items()} == \
+        {n: (direct.phases[n].peak, direct.phases[n].kinds) for n in fast.phases}
+    assert (fast.peak, fast.host_peak) == (direct.peak, direct.host_peak) and fast.host_peak == 5 * 2 * 256 * seq
+
+
+def test_groups_hold_what_the_estimate_adds():
+    """Checkpointed in groups of 2 under full_offload with FSDP CPU offload, against k = 1: the host keeps one block
+    input per group instead of one per block, and the device peak (the top group's backward) holds k - 1 block
+    inputs more (and, in the tracker, the RoPE tables' size and k - 1 blocks' unsharded parameters: small here).
+    The estimate's host peak is the tracker's (to its optimizer's step counters), and what it adds for the groups
+    to the loss's and the layers' backward is what the tracker adds, to the byte (``memory_groups.py``)."""
+    import math
+
+    n, k, seq = 4, 2, 16384
+    args = get_flavor("debugmodel", n_layers=n, dim=128, n_heads=8, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=256)
+    block_input = seq * args.dim * 2  # bf16 [1, S, D]
+    switches = {kk: Switches(ac_mode="full_offload", ac_layers_per_checkpoint=kk, loss_chunk_size=4096,
+                             cpu_offload=True) for kk in (1, k)}
+    steps = {kk: track_step(args, Layout(), sw, seq, extrapolate=False) for kk, sw in switches.items()}
+    est = {kk: estimate(args, Layout(), sw, seq) for kk, sw in switches.items()}
+    assert steps[1].host_peak - steps[k].host_peak == (n - math.ceil(n / k)) * block_input
+    for kk in (1, k):
+        assert 0 <= steps[kk].host_peak - est[kk].host_offloaded < 1024, (steps[kk].host_peak, est[kk].host_offloaded)
+    grown = steps[k].peak - steps[1].peak
+    assert (k - 1) * block_input <= grown <= (k - 0.5) * block_input, grown / block_input
+    tracked = {kk: step.summary() for kk, step in steps.items()}
+    for phase in ("loss backward", "layer backward"):
+        assert est[k].phases[phase] - est[1].phases[phase] == tracked[k][phase].peak - tracked[1][phase].peak > 0

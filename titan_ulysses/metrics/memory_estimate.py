@@ -58,7 +58,8 @@ the next all-gather. The phases:
   small, the final RMSNorm's fp32 temporaries are the peak of both loss phases instead
   (``norm_working_set``: ``16 D T`` bytes in backward plus a ``4 D T`` upcast in bf16);
 * each layer's backward (the largest of the last two and the first two layers: the terms
-  are linear in the layer index between them): the sharded gradients of the blocks
+  are linear in the layer index between them; checkpointed in groups, of the last two and the
+  first two groups, with ``memory_groups.py``'s terms): the sharded gradients of the blocks
   after it, the root's parameters and the output weight's gradient in the compute dtype,
   this block's unsharded parameters and gradients and the next block's all-gather
   (``unsharded_working_params``; block 0 has no next; under full_offload also the input of the
@@ -93,7 +94,8 @@ At one GPU and millions of tokens that is the peak: the 1B shape's whole 2M toke
 hold eight ``[T, D]`` tensors at the concatenation under full_offload: the block's input, the
 next one's, the two norms' outputs, the residual, the output's gradient, the tiles and the
 concatenation).
-CPU offload moves the sharded parameters, gradients and optimizer state to host memory.
+CPU offload moves the sharded parameters, gradients and optimizer state to host memory
+(``host_offloaded``: their peak beside full_offload's block inputs, ``memory_groups.host_bytes``).
 Not modelled: the CUDA context and NCCL buffers (about 1-3 GiB on an H100), allocator
 fragmentation, CUDA kernels' workspaces (cuBLAS, the flash attention backward's fp32 dq
 accumulator; on an H200, 0.06 GiB beyond the tracker at the 8B's peak, so the estimate is
@@ -145,6 +147,7 @@ from dataclasses import asdict, dataclass, field
 
 from titan_ulysses.distributed.heads import attended_heads
 from titan_ulysses.distributed.staged_attention import stage_plans
+from titan_ulysses.metrics import memory_groups as groups
 from titan_ulysses.ops.norm import CHUNK_TOKENS as NORM_CHUNK_TOKENS
 from titan_ulysses.models.llama.args import LlamaArgs
 
@@ -163,7 +166,7 @@ class Layout:
 class Switches:
     ac_mode: str = "none"
     ac_layers_per_checkpoint: int = 1
-    """``activation_checkpoint.layers_per_checkpoint``: full AC in groups of this many blocks (tracker only)."""
+    """``activation_checkpoint.layers_per_checkpoint``: full AC in groups of this many blocks (``memory_groups.py``)."""
     loss_chunk_size: int = 0
     mlp_tile_size: int = 0
     cpu_offload: bool = False
@@ -377,17 +380,22 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
         trained = s.lora_rank * (2 * (d + q) + 2 * (d + kv) + 3 * (d + f))
         lora_shard = args.n_layers * trained / n
         states = {"parameters": a * shard + 4 * lora_shard, "gradients": 4 * lora_shard, "optimizer": 8 * lora_shard}
-    host = 0.0
+    host_states = dict.fromkeys(states, 0.0)  # FSDP CPU offload's, in host memory
     if s.cpu_offload:
-        host = sum(states.values())
-        states = dict.fromkeys(states, 0.0)
+        host_states, states = states, host_states
     block_grad = states["gradients"] and 4 * trained / n  # one block's sharded fp32 gradient (0 when offloaded)
     per_layer = layer_bytes_per_token(args, layout, s, s.ac_mode)
     # token ids, the root's fp32 RoPE tables (cos and sin, [T, Dh/2] each), the final norm's input and scale, its output
     head = tokens * (8 + 4 * args.head_dim + (a * d + 4) + a * d)
+    k = groups.group_size(s.ac_mode, s.ac_layers_per_checkpoint)
+    inputs = groups.kept_inputs(args.n_layers, k)  # block inputs forward keeps: one per group
     saved = args.n_layers * per_layer * tokens + head
-    if s.ac_mode == "full_offload":
-        host += args.n_layers * a * d * tokens
+    if s.ac_mode == "full":
+        saved -= (args.n_layers - inputs) * a * d * tokens
+    rope_held = 4 * args.head_dim * tokens if k > 1 else 0.0  # the RoPE-sized term from the loss's backward on
+    earlier_host = host_states["gradients"] if s.microbatches > 1 else 0.0
+    host = groups.host_bytes(host_states["parameters"], host_states["gradients"], host_states["optimizer"],
+                             earlier_host, inputs * a * d * tokens if s.ac_mode == "full_offload" else 0.0)
     full_set = layer_bytes_per_token(args, layout, s, "none")
     # what the layer's backward holds: its full set, of which the mode kept per_layer (selective keeps
     # tensors the full set does not -- the projections' outputs -- but they are released as the recompute
@@ -459,7 +467,8 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
         if s.ac_mode == "full_offload" and i > 0:  # and its input, on its way back from the host
             prefetch += a * d * tokens
         return (rest + done + working - one_block + prefetch + out_grad + held
-                + (i + 1) * per_layer * tokens + max(recompute + layer_ws - released, floor))
+                + (i + 1) * per_layer * tokens + max(recompute + layer_ws - released, floor)
+                + groups.layer_backward_extra(i, k, s.ac_mode, a * d * tokens, one_block, rope_held))
 
     # a layer's ffn_norm backward (after the MLP's backward freed its intermediates): the norm's fp32
     # temporaries and two residual-stream gradients beside the rest of the layer's activations
@@ -467,12 +476,12 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     # the tiled MLP's backward (and, under AC, the recompute's forward before it) comes first in the block's
     # backward: none of the block's gradients exist yet (its weights' gradients are the tiles' sums, above)
     layer_ws = max(attention_ws, mlp_ws - (a * trained if s.mlp_tile_size else 0.0), norm_ws)
-    last = args.n_layers - 1
+    top = (args.n_layers - 1) // k  # the top group (k = 1: the top layer)
     phases = {
         "loss forward": rest + earlier + root + one_block + saved + max(loss_fwd, norm_fwd),
-        "loss backward": rest + earlier + root + one_block + saved
+        "loss backward": rest + earlier + root + one_block + saved + rope_held
         + max(loss_weight_grad + loss_bwd, out_grad + a * tokens * d + norm_bwd),
-        "layer backward": max(layer_backward(i) for i in {last, max(last - 1, 0), min(1, last), 0}),
+        "layer backward": max(layer_backward(i) for i in range(args.n_layers) if i // k in (0, 1, top - 1, top)),
         "embedding backward": rest + (earlier or args.n_layers * block_grad) + max(embedding, root_grads),
         "optimizer step": rest + states["gradients"],
     }

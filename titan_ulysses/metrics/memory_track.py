@@ -30,8 +30,9 @@ an all-gather or reduce-scatter, are not counted).
 
 Cost: every op is a Python call into the tracker, so the time grows with the layers and with
 the tokens over the chunk sizes. ``track_extrapolation.py`` says which steps are traced (three and
-four layers; short lengths, each event's bytes extrapolated affinely in the tokens, checked on a
-third length, else the full length) and why that is exact; ``StepMemory.traced`` says what was.
+four layers, or groups of checkpointed layers; short lengths, each event's bytes extrapolated
+affinely in the tokens, checked on a third length, else the full length) and why that is exact;
+``StepMemory.traced`` says what was.
 DTensor's sharding propagation runs ops on fake tensors of the global shapes to learn output
 shapes; that is not counted (``_sharding_metadata_unseen``).
 One artefact of the tracker itself: its wrapper of FSDP's post-backward keeps the last
@@ -288,14 +289,16 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
                extrapolate: bool = True) -> StepMemory:
     """The memory of rank 0 over a steady-state step (the optimizer state exists, gradients do not).
 
-    With ``extrapolate``: traced at three and four layers (more than four) and at short lengths
-    (a long one), each phase extrapolated to ``args.n_layers`` and ``seq_len``
-    (``track_extrapolation.py``); ``StepMemory.traced`` says what was traced."""
+    With ``extrapolate``: traced at three and four layers (more than four), or groups of
+    ``Switches.ac_layers_per_checkpoint`` layers, and at short lengths (a long one), each phase
+    extrapolated to ``args.n_layers`` and ``seq_len`` (``track_extrapolation.py``); ``StepMemory.traced``
+    says what was traced."""
     import dataclasses
 
     from titan_ulysses.metrics import track_extrapolation as ex
 
-    depths = ex.tracked_layer_counts(args.n_layers, extrapolate and switches.ac_layers_per_checkpoint == 1)  # groups: every layer
+    group = switches.ac_layers_per_checkpoint
+    depths = ex.tracked_layer_counts(args.n_layers, extrapolate, group)
     lengths, why = ex.sample_lengths(seq_len, layout, switches) if extrapolate else ((seq_len,), "")
     at_depth = {n: dataclasses.replace(args, n_layers=n) for n in depths}
     steps: dict[int, StepMemory] = {}
@@ -319,19 +322,24 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
     if len(depths) == 1:
         step = steps[depths[0]]
     else:
-        step = ex.to_depth(steps[depths[0]], steps[depths[1]], args.n_layers)
+        step = ex.to_depth(steps[depths[0]], steps[depths[1]], args.n_layers, group)
     extrapolated = len(depths) > 1 or len(lengths) > 1 and not why
-    step.traced = f"traced at {layers} layers x {sampled}" + \
+    if group > 1 and len(depths) > 1:
+        layers += f" layers (3 and 4 groups of {group}" + \
+            (f", the last of {args.n_layers % group})" if args.n_layers % group else ")")
+    else:
+        layers += " layers"
+    step.traced = f"traced at {layers} x {sampled}" + \
         (f", extrapolated to {args.n_layers} layers x {seq_len:,} tokens" if extrapolated else "")
     step.events = None
     return step
 
 
-def tracked_layer_counts(n_layers: int, extrapolate: bool = True) -> tuple[int, ...]:
-    """The model depths :func:`track_step` traces (one step each): all layers, or three and four."""
+def tracked_layer_counts(n_layers: int, extrapolate: bool = True, group: int = 1) -> tuple[int, ...]:
+    """The model depths :func:`track_step` traces (one step each): all layers, or three and four groups."""
     from titan_ulysses.metrics.track_extrapolation import tracked_layer_counts as counts
 
-    return counts(n_layers, extrapolate)
+    return counts(n_layers, extrapolate, group)
 
 
 def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1,

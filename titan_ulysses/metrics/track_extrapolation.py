@@ -9,7 +9,12 @@ and extrapolated; ``tests/test_memory_track.py`` compares both against direct tr
 Layers: the blocks are identical, so every term of a phase is a constant or a sum of equal
 per-block terms, and a phase's bytes are affine in the number of blocks for a fixed position
 from the bottom or the top (layer backward is traced as its two lowest and two highest blocks):
-traced at three and four layers.
+traced at three and four layers. Checkpointed in groups of ``k`` blocks
+(``Switches.ac_layers_per_checkpoint``, ``distributed/activation_checkpoint.py``) the identical
+unit is a group: traced at three and four groups (``3k`` and ``4k`` layers), a block's backward
+keyed by its group's position from the bottom or the top and its place in the group (the two
+lowest and the two highest groups). The last group may be shorter (``n_layers`` not a multiple of
+``k``): it is then the top group of every trace too (``3k`` and ``4k`` layers less the shortfall).
 
 Tokens: every kernel here keeps memory linear in the tokens, as on CUDA (attention is sdpa with
 CUDA's kernel choices, flash-style, no ``[S, S]`` tensor; the tracked step is one document, so
@@ -52,9 +57,12 @@ MIN_QUANTA = 32
 and three model builds) cost more (Llama-3-8B at 16 quanta: 28.5 s of CPU against 19 s traced whole)."""
 
 
-def tracked_layer_counts(n_layers: int, extrapolate: bool = True) -> tuple[int, ...]:
-    """The model depths :func:`track_step` traces (one step each): all layers, or three and four."""
-    return (n_layers,) if not extrapolate or n_layers <= 4 else (3, 4)
+def tracked_layer_counts(n_layers: int, extrapolate: bool = True, group: int = 1) -> tuple[int, ...]:
+    """The model depths :func:`track_step` traces (one step each): all layers, or three and four groups
+    of ``group`` layers (the last one as short as at ``n_layers``)."""
+    units = -(-n_layers // group)
+    short = units * group - n_layers
+    return (n_layers,) if not extrapolate or units <= 4 else (3 * group - short, 4 * group - short)
 
 
 def token_quantum(layout: Layout, switches: Switches) -> int:
@@ -133,33 +141,36 @@ def at_length(a, b, m: int):
     return StepMemory(peak=max(p.peak for p in phases.values()), phases=phases, host_peak=host)
 
 
-def to_depth(small, large, n_layers: int):
-    """Steps at three (``small``) and four (``large``) layers -> the step at ``n_layers`` (module docstring)."""
+def to_depth(small, large, n_layers: int, group: int = 1):
+    """Steps at three (``small``) and four (``large``) groups of ``group`` layers -> the step at ``n_layers``
+    (module docstring)."""
     from titan_ulysses.metrics.memory_track import Phase, StepMemory
 
-    grow = n_layers - 4
+    units = -(-n_layers // group)
+    grow = units - 4
 
-    def by_position(step, n: int) -> dict:
-        out = {}
+    def by_position(step, n: int) -> dict:  # "layer i backward" -> "bottom g j" and "top g j" (g < 2)
+        out, top = {}, -(-n // group) - 1
         for name, phase in step.phases.items():
             if name.startswith("layer "):
-                i = int(name.split()[1])
-                for key in (f"bottom {i}", f"top {n - 1 - i}"):
-                    if key in ("bottom 0", "bottom 1", "top 1", "top 0"):
+                g, j = divmod(int(name.split()[1]), group)
+                for key in (f"bottom {g} {j}", f"top {top - g} {j}"):
+                    if int(key.split()[1]) < 2:
                         out[key] = phase
             else:
                 out[name] = phase
         return out
 
-    a, b = by_position(small, 3), by_position(large, 4)
+    a, b = by_position(small, n_layers - grow * group - group), by_position(large, n_layers - grow * group)
     phases = {}
     for key, p4 in b.items():
         p3 = a[key]
         kinds = {k: v + grow * (v - p3.kinds.get(k, 0)) for k, v in p4.kinds.items()}
         peak = p4.peak + grow * (p4.peak - p3.peak)
         if key.startswith(("bottom", "top")):
-            i = int(key.split()[1])
-            key = f"layer {i if key.startswith('bottom') else n_layers - 1 - i} backward"
+            _, g, j = key.split()
+            g = int(g) if key.startswith("bottom") else units - 1 - int(g)
+            key = f"layer {g * group + int(j)} backward"
         phases[key] = Phase(key, peak, kinds)
     order = [n for n in b if not n.startswith(("bottom", "top"))]
     layers = sorted((n for n in phases if n.startswith("layer ")), key=lambda n: -int(n.split()[1]))
