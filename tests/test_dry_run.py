@@ -27,6 +27,13 @@ def written_world_size(path: str) -> int:
     return int(nproc.group(1)) * (int(nnodes.group(1)) if nnodes else 1)
 
 
+def written_device_gib(path: str) -> list[str]:
+    """The device a config is written for, where its header names one (``--device-memory-gib G``)."""
+    header = open(path).read().split("\n[", 1)[0]
+    gib = re.search(r"--device-memory-gib (\d+)", header)
+    return ["--device-memory-gib", gib.group(1)] if gib else []
+
+
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory):
     """A tiny Llama folder (config.json, safetensors, tokenizer.json), a tiktoken BPE file and a corpus."""
@@ -82,7 +89,7 @@ def test_every_shipped_config_passes_the_dry_run(path, stand_ins, train_main, tm
     world = written_world_size(path)
     dump = str(tmp_path / "run")
     code, out, err = train_main(["--config", path, *overrides_for(path, stand_ins, dump),
-                                 "--dry-run", "--world-size", str(world)])
+                                 "--dry-run", "--world-size", str(world), *written_device_gib(path)])
     assert code == 0, err
     assert out.startswith(f"dry run: {world} rank(s)"), out
     sp = int(re.search(r"^ulysses_degree\s*=\s*(\d+)", open(path).read(), flags=re.M).group(1))
