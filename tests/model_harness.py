@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from dist_utils import assert_close
+
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import dist_sum, global_token_count, load_full_state_dict
@@ -119,6 +121,18 @@ def parallel_step(model, pd: ParallelDims, inputs, labels, microbatches: int = 1
         total += loss.detach()
         logits.append(out.detach())
     return dist_sum(torch.as_tensor(total), pd.get_mesh("loss")), logits
+
+
+def assert_step_matches(ref: Transformer, model, pd: ParallelDims, inputs, labels) -> None:
+    """One step of ``model`` over ``pd`` gives the reference's loss and every parameter's gradient."""
+    ref_loss = reference_step(ref, inputs, labels)
+    loss, _ = parallel_step(model, pd, inputs, labels)
+    assert_close(loss.float(), ref_loss.float(), "loss")
+    ref_params = dict(ref.named_parameters())
+    grads = {clean_name(n): full(p.grad) for n, p in model.named_parameters()}
+    assert grads.keys() == ref_params.keys()
+    for name, g in grads.items():
+        assert_close(g, ref_params[name].grad, f"grad {name}")
 
 
 def assert_params_match(model, ref_params: dict, lr: float, steps: int) -> None:

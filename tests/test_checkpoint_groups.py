@@ -8,8 +8,8 @@ gradient must equal a model without checkpointing, and exactly the group inputs 
 import pytest
 import torch
 
-from dist_utils import assert_close, run_distributed
-from model_harness import build_pair, clean_name, full, make_batch, parallel_step, reference_step, small_args, trained_like
+from dist_utils import run_distributed
+from model_harness import assert_step_matches, build_pair, make_batch, small_args, trained_like
 from test_activation_offload import _offload_on_cpu
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.activation_offload import apply_activation_offload
@@ -75,14 +75,7 @@ def _sp2_groups():
                                  ulysses_head_stages=2, ulysses_stage_keep_attention=False)
     ref, model = build_pair(args, pd, options, trained=True)
     inputs, labels = make_batch(0, 2, 13, args.vocab_size)
-    ref_loss = reference_step(ref, inputs, labels)
-    loss, _ = parallel_step(model, pd, inputs, labels)
-    assert_close(loss.float(), ref_loss.float(), "loss")
-    ref_params = dict(ref.named_parameters())
-    grads = {clean_name(n): full(p.grad) for n, p in model.named_parameters()}
-    assert grads.keys() == ref_params.keys()
-    for name, g in grads.items():
-        assert_close(g, ref_params[name].grad, f"grad {name}")
+    assert_step_matches(ref, model, pd, inputs, labels)
 
 
 def test_groups_under_fsdp_ulysses_and_head_stages_match_one_process():

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from dist_utils import assert_close, run_distributed
-from model_harness import build_pair, clean_name, full, make_batch, parallel_step, reference_step, small_args
+from model_harness import assert_step_matches, build_pair, make_batch, small_args
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.parallel_dims import ParallelDims
@@ -46,14 +46,7 @@ def _staged_matches_single_process(layout, ac_mode, stages, overrides, keep):
                 p.mul_(6.0)
                 q.copy_(p) if not hasattr(q, "full_tensor") else q.mul_(6.0)
     inputs, labels = make_batch(0, 4, SEQ_LEN, args.vocab_size)
-    ref_loss = reference_step(ref, inputs, labels)
-    loss, _ = parallel_step(model, pd, inputs, labels)
-    assert_close(loss.float(), ref_loss.float(), "loss")
-    ref_params = dict(ref.named_parameters())
-    grads = {clean_name(n): full(p.grad) for n, p in model.named_parameters()}
-    assert grads.keys() == ref_params.keys()
-    for name, g in grads.items():
-        assert_close(g, ref_params[name].grad, f"grad {name}")
+    assert_step_matches(ref, model, pd, inputs, labels)
 
 
 CASES = {
