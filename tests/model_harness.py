@@ -135,6 +135,29 @@ def assert_step_matches(ref: Transformer, model, pd: ParallelDims, inputs, label
         assert_close(g, ref_params[name].grad, f"grad {name}")
 
 
+def assert_blocks_match(model: Transformer, sp_mesh, reference, candidate, candidate_params, what: str,
+                        input_scale: float = 1.0) -> None:
+    """One block's forward and backward on this rank's slice of a random batch: ``candidate`` (whose
+    parameters are ``candidate_params``, e.g. under a compiled wrapper) gives ``reference``'s output,
+    input gradient and every parameter gradient."""
+    tokens = torch.randint(0, model.args.vocab_size, (2, 16))
+    batch = shard_batch(tokens, tokens, sp_mesh.get_local_rank(), sp_mesh.size())
+    x = model.tok_embeddings(batch.tokens).detach() * input_scale  # [B, S/sp, D]
+    rope = model.rope(batch.positions)
+    grad = torch.randn_like(x)
+    outs = []
+    for block, params in ((reference, reference), (candidate, candidate_params)):
+        xi = x.clone().requires_grad_()
+        out = block(xi, rope)
+        out.backward(grad)
+        outs.append((out.detach(), xi.grad, {n: p.grad for n, p in params.named_parameters()}))
+    (r_out, r_dx, r_grads), (c_out, c_dx, c_grads) = outs
+    assert_close(c_out, r_out, f"{what} output", rtol=1e-4, atol=1e-5)
+    assert_close(c_dx, r_dx, f"{what} input grad", rtol=1e-4, atol=1e-5)
+    for name, g in r_grads.items():
+        assert_close(c_grads[name], g, f"{what} grad {name}", rtol=1e-4, atol=1e-5)
+
+
 def assert_params_match(model, ref_params: dict, lr: float, steps: int) -> None:
     """Parameters after ``steps`` optimizer steps equal the reference's.
 

@@ -18,8 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from dist_utils import assert_close, run_distributed
-from model_harness import assert_step_matches, build_pair, make_batch, small_args
-from titan_ulysses.data.sharding import shard_batch
+from model_harness import assert_blocks_match, assert_step_matches, build_pair, make_batch, small_args
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.staged_attention import apply_head_stages, check_head_stages, stage_plans
@@ -87,22 +86,7 @@ def _compiled_staged_block_matches_plain(overrides, stages):
     apply_head_stages(staged, stages)
     compiled = torch.compile(staged, fullgraph=True)  # raises on any graph break
 
-    tokens = torch.randint(0, args.vocab_size, (2, 16))
-    batch = shard_batch(tokens, tokens, sp_mesh.get_local_rank(), sp_mesh.size())
-    x = model.tok_embeddings(batch.tokens).detach() * 4  # [B, S/sp, D]
-    rope = model.rope(batch.positions)
-    grad = torch.randn_like(x)
-    outs = []
-    for block, params in ((plain, plain), (compiled, staged)):
-        xi = x.clone().requires_grad_()
-        out = block(xi, rope)
-        out.backward(grad)
-        outs.append((out.detach(), xi.grad, {n: p.grad for n, p in params.named_parameters()}))
-    (p_out, p_dx, p_grads), (s_out, s_dx, s_grads) = outs
-    assert_close(s_out, p_out, "staged output", rtol=1e-4, atol=1e-5)
-    assert_close(s_dx, p_dx, "staged input grad", rtol=1e-4, atol=1e-5)
-    for name, g in p_grads.items():
-        assert_close(s_grads[name], g, f"staged grad {name}", rtol=1e-4, atol=1e-5)
+    assert_blocks_match(model, sp_mesh, plain, compiled, staged, "staged", input_scale=4)
 
 
 def test_compiled_staged_block_matches_plain_ulysses():

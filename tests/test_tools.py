@@ -73,7 +73,7 @@ def test_estimate_memory_track_shows_a_progress_bar():
     assert result["tracked"]["measured"] > 0
     frames = proc.stderr.replace("\r", "\n").splitlines()
     done = [f for f in frames if f.startswith("--track: block forwards: 100%")]
-    from titan_ulysses.metrics.memory_track import tracked_layer_counts
+    from titan_ulysses.metrics.track_extrapolation import tracked_layer_counts
     from titan_ulysses.models.llama.args import get_flavor
 
     # one step of one microbatch at each depth the tracker traces (3 and 4 of the 6 layers), no recomputation

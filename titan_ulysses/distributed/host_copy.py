@@ -53,14 +53,6 @@ class HostCopy:
             self.pieces.append(piece)
             start += n
 
-    @property
-    def host_bytes(self) -> int:
-        """Host bytes this copy holds (what the allocator gives it, rounding included for a whole buffer)."""
-        if self.whole is not None:
-            n = self.whole.numel() * self.whole.element_size()
-            return 1 << (n - 1).bit_length() if self.whole.is_pinned() else n
-        return sum(p.numel() for p in self.pieces)
-
     def restore(self, non_blocking: bool) -> torch.Tensor:
         """A new tensor on the original device with the original contents; the host memory is let go."""
         if self.whole is not None:

@@ -88,20 +88,14 @@ def check_head_stages(stages: int, n_heads: int, n_kv_heads: int, sp: int, tp: i
 
 
 @dataclass(frozen=True)
-class StagePlan:
-    """One stage: which q and kv heads every rank attends in it (ranges of the tp-local heads, in rank order)."""
-
-    q: tuple[tuple[int, int], ...]
-    """Per rank, its q heads in this stage."""
-    kv: tuple[tuple[int, int], ...]
-    """Per rank, the kv heads those q heads use (two ranks' or stages' ranges may overlap)."""
-    group: int
-    """q heads per kv head."""
+class StagePlan(HeadPlan):
+    """One stage: which q and kv heads every rank attends in it (``HeadPlan``'s ranges, of the tp-local heads,
+    in rank order; here they cover only this stage's heads, and two stages' kv ranges may overlap)."""
 
     @property
     def even(self) -> bool:
         """Every rank gets as many q heads and kv heads: the equal-block exchange."""
-        return len({b - a for a, b in self.q}) == 1 and len({b - a for a, b in self.kv}) == 1
+        return len(set(self.q_counts)) == 1 and len(set(self.kv_counts)) == 1
 
     def exchange_plan(self) -> HeadPlan:
         """The ranges into this stage's own projected q and kv (concatenated in rank order), for the uneven exchange."""
@@ -111,10 +105,6 @@ class StagePlan:
                 starts.append(starts[-1] + b - a)
             return tuple(zip(starts[:-1], starts[1:]))
         return HeadPlan(q=packed(self.q), kv=packed(self.kv), group=self.group)
-
-    def kv_index(self, rank: int) -> list[int] | None:
-        """For each of rank's q heads in this stage, its kv head among the rank's received ones (None: even GQA)."""
-        return HeadPlan(q=self.q, kv=self.kv, group=self.group).kv_index(rank)
 
 
 @functools.lru_cache(maxsize=None)

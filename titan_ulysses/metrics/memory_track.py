@@ -335,13 +335,6 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
     return step
 
 
-def tracked_layer_counts(n_layers: int, extrapolate: bool = True, group: int = 1) -> tuple[int, ...]:
-    """The model depths :func:`track_step` traces (one step each): all layers, or three and four groups."""
-    from titan_ulysses.metrics.track_extrapolation import tracked_layer_counts as counts
-
-    return counts(n_layers, extrapolate, group)
-
-
 def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1,
            keyed: bool = False, token_scale: float = 1.0) -> StepMemory:
     """One step traced as it is (``keyed``: with the per-event largest; ``token_scale``: the length this
@@ -372,9 +365,10 @@ def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, lo
         with torch.device("meta"):
             model = build_model(args, compute)
         lora = LoRAOptions(rank=switches.lora_rank) if switches.lora_rank else None
-        parallelize_model(model, pd, ParallelizeOptions(ac_mode=switches.ac_mode, ac_layers_per_checkpoint=switches.ac_layers_per_checkpoint, param_dtype=dtype, lora=lora,
-                                                        ulysses_head_stages=switches.head_stages,
-                                                        ulysses_stage_keep_attention=switches.stage_keep_attention))
+        parallelize_model(model, pd, ParallelizeOptions(
+            ac_mode=switches.ac_mode, ac_layers_per_checkpoint=switches.ac_layers_per_checkpoint, param_dtype=dtype,
+            lora=lora, ulysses_head_stages=switches.head_stages,
+            ulysses_stage_keep_attention=switches.stage_keep_attention))
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             model.init_buffers(torch.device("cpu"))
