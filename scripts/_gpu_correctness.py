@@ -193,7 +193,7 @@ def _one_step(ctx, args, tokens, ac_mode: str, compile_: bool = False, compute=N
     from titan_ulysses.distributed.activation_checkpoint import apply_ac
     from titan_ulysses.distributed.activation_offload import apply_activation_offload
     from titan_ulysses.distributed.compile import apply_compile
-    from titan_ulysses.models.llama.model import Transformer
+    from titan_ulysses.models.decoder.model import Transformer
 
     torch.manual_seed(0)
     model = Transformer(args, compute)

@@ -129,8 +129,8 @@ def model_equality(device, layout: dict, steps: int) -> dict:
 
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.distributed.utils import load_full_state_dict
-    from titan_ulysses.models.llama.model import Transformer
-    from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+    from titan_ulysses.models.decoder.model import Transformer
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_llama
 
     exact_fp32()
     pd = ParallelDims(**layout, world_size=dist.get_world_size())
@@ -192,7 +192,7 @@ def ulysses_only_equality(device) -> dict:
     from titan_ulysses.data.sharding import shard_batch
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.distributed.ulysses import apply_ulysses
-    from titan_ulysses.models.llama.model import Transformer
+    from titan_ulysses.models.decoder.model import Transformer
     from titan_ulysses.ops.loss import cross_entropy_sum
 
     exact_fp32()

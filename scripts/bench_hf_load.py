@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 from titan_ulysses.checkpoint.hf_adapter import expected_hf_shapes  # noqa: E402
 from titan_ulysses.checkpoint.hf_export import hf_config  # noqa: E402
-from titan_ulysses.models.llama.args import LlamaArgs  # noqa: E402
+from titan_ulysses.models.decoder.args import LlamaArgs  # noqa: E402
 
 GIB = 2**30
 
@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, init_file: str, folder: str, out: str) -> None:
     from titan_ulysses.checkpoint.hf import load_hf_weights
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.models.hf_config import load_hf_args
-    from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
     from titan_ulysses.models.registry import build_model, parallelize_model
 
     args = load_hf_args(folder)

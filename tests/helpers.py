@@ -22,7 +22,7 @@ from titan_ulysses.config.manager import load_config
 from titan_ulysses.data.sharding import shard_for_sp
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import UlyssesAttention
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 from titan_ulysses.ops.attention import build_attention, build_attention_mask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

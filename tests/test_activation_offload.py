@@ -11,7 +11,7 @@ from torch import nn
 from model_harness import small_args
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.activation_offload import apply_activation_offload
-from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.models.decoder.model import Transformer
 
 
 def _offload_on_cpu(offloader, min_numel):

@@ -142,7 +142,7 @@ def _long_packed(layout):
     from model_harness import build_pair, clean_name, full, small_args
     from titan_ulysses.data.sharding import shard_batch
     from titan_ulysses.distributed.utils import dist_sum, global_token_count
-    from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
     from titan_ulysses.ops.loss import IGNORE_INDEX, cross_entropy_sum
 
     pd = ParallelDims(**layout, world_size=dist.get_world_size())

@@ -13,7 +13,7 @@ from model_harness import assert_step_matches, build_pair, make_batch, small_arg
 from test_activation_offload import _offload_on_cpu
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.activation_offload import apply_activation_offload
-from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.models.decoder.model import Transformer
 
 
 def _inner_blocks(net):
@@ -66,7 +66,7 @@ def _sp2_groups():
     import torch.distributed as dist
 
     from titan_ulysses.distributed.parallel_dims import ParallelDims
-    from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 
     pd = ParallelDims(sp=2, world_size=dist.get_world_size())
     pd.build_mesh("cpu")

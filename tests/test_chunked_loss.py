@@ -10,7 +10,7 @@ from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import dist_sum
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 from titan_ulysses.ops.loss import IGNORE_INDEX, linear_cross_entropy_sum
 
 
@@ -55,7 +55,7 @@ def test_sharded_model_with_chunked_loss_matches_reference():
 
 
 def test_tiled_mlp_matches_plain_and_saves_only_its_input():
-    from titan_ulysses.models.llama.model import FeedForward
+    from titan_ulysses.models.decoder.model import FeedForward
 
     torch.manual_seed(0)
     plain, tiled = FeedForward(16, 48), FeedForward(16, 48, tile_size=5)

@@ -11,7 +11,7 @@ from dist_utils import assert_close, run_distributed
 from model_harness import assert_blocks_match, small_args, split_overrides
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import apply_ulysses
-from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.models.decoder.model import Transformer
 
 
 def _compiled_block_matches_eager(overrides):
@@ -47,7 +47,7 @@ def _compiled_memory_switches_match_eager(ac_mode, float8):
 
     from titan_ulysses.distributed.float8 import Float8Options
     from titan_ulysses.models.compute import ComputeOptions
-    from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 
     pd = ParallelDims(sp=2, world_size=dist.get_world_size())
     pd.build_mesh("cpu")

@@ -17,9 +17,9 @@ from titan_ulysses.checkpoint.hf import export_hf, interleaved_to_halves
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import load_full_state_dict
-from titan_ulysses.models.llama.args import RopeScaling, get_flavor
-from titan_ulysses.models.llama.model import Transformer, apply_rope
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+from titan_ulysses.models.decoder.args import RopeScaling, get_flavor
+from titan_ulysses.models.decoder.model import Transformer, apply_rope
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {

@@ -20,8 +20,8 @@ from titan_ulysses.preflight import validate
 from titan_ulysses.distributed.float8 import Float8Options, apply_float8, precompute_float8_scales
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import load_full_state_dict
-from titan_ulysses.models.llama.model import Transformer
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.models.decoder.model import Transformer
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_llama
 
 
 def _model(args):

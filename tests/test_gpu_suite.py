@@ -82,8 +82,8 @@ def _one_rank_computes_in_bf16():
     from model_harness import small_args
 
     from titan_ulysses.distributed.parallel_dims import ParallelDims
-    from titan_ulysses.models.llama.model import Transformer
-    from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+    from titan_ulysses.models.decoder.model import Transformer
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_llama
 
     pd = ParallelDims(world_size=dist.get_world_size())
     pd.build_mesh("cpu")

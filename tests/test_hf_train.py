@@ -122,7 +122,7 @@ def test_export_shards_with_an_index_above_the_threshold(trained, tmp_path):
     from titan_ulysses.checkpoint.hf import export_hf, load_hf_weights
     from titan_ulysses.checkpoint.hf_export import write_model_record
     from titan_ulysses.models.hf_config import load_hf_args
-    from titan_ulysses.models.llama.model import Transformer
+    from titan_ulysses.models.decoder.model import Transformer
 
     folder, hf_model, _ = trained
     model = Transformer(load_hf_args(folder))
@@ -199,7 +199,7 @@ def test_refusals_name_the_setting_before_any_weight_is_read(trained, tmp_path, 
     import torch.distributed.checkpoint as dcp
 
     from model_harness import small_args
-    from titan_ulysses.models.llama.model import Transformer
+    from titan_ulysses.models.decoder.model import Transformer
 
     folder = trained[0]
     hf = ["--model.hf_assets_path"]

@@ -23,8 +23,8 @@ from titan_ulysses.distributed.float8 import Float8Options, apply_float8, precom
 from titan_ulysses.distributed.lora import LoRAOptions, apply_lora, init_lora, parameter_counts, resolve_targets
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_, load_full_state_dict
-from titan_ulysses.models.llama.model import Transformer
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.models.decoder.model import Transformer
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_llama
 from titan_ulysses.optim import build_optimizer
 
 SEQ_LEN = 13  # padded by every layout

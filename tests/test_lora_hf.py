@@ -20,7 +20,7 @@ from hf_fixtures import make_hf_model, make_tokenizer
 from titan_ulysses.checkpoint.hf_adapter import from_hf
 from titan_ulysses.checkpoint.hf_export import read_model_record, read_model_weights
 from titan_ulysses.distributed.lora import LoRAOptions, apply_lora
-from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.models.decoder.model import Transformer
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -130,7 +130,7 @@ def _save_lora_checkpoint(folder, out):
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.distributed.utils import load_full_state_dict
     from titan_ulysses.models.hf_config import load_hf_args
-    from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_llama
 
     pd = ParallelDims(sp=2, world_size=dist.get_world_size())
     pd.build_mesh("cpu")

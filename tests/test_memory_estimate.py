@@ -23,9 +23,9 @@ from titan_ulysses.distributed.ulysses import apply_ulysses
 from titan_ulysses.metrics.memory_estimate import Layout, Switches, estimate
 from titan_ulysses.metrics.memory_track import cuda_kernel_choices, track_step
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.llama.args import get_flavor
-from titan_ulysses.models.llama.model import Transformer
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.models.decoder.args import get_flavor
+from titan_ulysses.models.decoder.model import Transformer
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_llama
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import estimate_memory  # noqa: E402

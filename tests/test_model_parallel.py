@@ -30,7 +30,7 @@ from model_harness import (
 )
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 
 SEQ_LEN = 13  # not a multiple of 2 or 4: every SP case pads
 STEPS = 3

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from titan_ulysses.metrics.flops import flops_per_token
-from titan_ulysses.models.llama.args import LLAMA_FLAVORS, RopeScaling, get_flavor
-from titan_ulysses.models.llama.model import Transformer, apply_rope, rope_inv_freq
+from titan_ulysses.models.decoder.args import LLAMA_FLAVORS, RopeScaling, get_flavor
+from titan_ulysses.models.decoder.model import Transformer, apply_rope, rope_inv_freq
 from titan_ulysses.ops.attention import cu_seqlens_from_document_ids
 from titan_ulysses.optim import wsd_factor
 

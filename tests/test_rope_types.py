@@ -62,7 +62,7 @@ def test_inv_freq_and_attention_factor_match_transformers(name):
         torch.testing.assert_close(ours, theirs.float(), rtol=2e-6, atol=0, msg=f"{name} inv_freq ({seq_len})")
         assert factor == pytest.approx(theirs_factor, rel=1e-9), name
     # the model's buffers are these frequencies (longrope: short and long both)
-    from titan_ulysses.models.llama.model import Transformer
+    from titan_ulysses.models.decoder.model import Transformer
 
     model = Transformer(args)
     torch.testing.assert_close(model.rope_inv_freq, rope_frequencies(args.rotary_dim, args.rope_theta,

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from model_harness import small_args
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.ops.attention import SDPA_KERNELS, sdpa_priority
 from titan_ulysses.preflight import validate
 

@@ -23,8 +23,8 @@ from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.staged_attention import apply_head_stages, check_head_stages, stage_plans
 from titan_ulysses.distributed.ulysses import apply_ulysses
-from titan_ulysses.models.llama.model import Transformer
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+from titan_ulysses.models.decoder.model import Transformer
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 
 SEQ_LEN = 13
 

@@ -258,7 +258,7 @@ def _old_checkpoint_loads(folder, corpus):
     from model_harness import build_pair, small_args
     from titan_ulysses.checkpoint.manager import CheckpointManager
     from titan_ulysses.distributed.parallel_dims import ParallelDims
-    from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 
     pd = ParallelDims(world_size=1)
     pd.build_mesh("cpu")

@@ -18,7 +18,7 @@ import torch
 from dist_utils import run_distributed
 from helpers import run
 from titan_ulysses.config.manager import load_config
-from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.ops.loss import IGNORE_INDEX
 
 

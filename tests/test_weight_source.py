@@ -60,7 +60,7 @@ def _assert_same(saved_file, expected: dict):
 
 
 def _random_init(args, seed):
-    from titan_ulysses.models.llama.model import Transformer
+    from titan_ulysses.models.decoder.model import Transformer
 
     model = Transformer(args)
     torch.manual_seed(seed)
@@ -91,7 +91,7 @@ def _refuses_until_asked(argv, folder, capfd, source_line, keep=None, trained=Fa
 
 def test_flavor_run_and_initial_load_path_with_every_checkpoint_damaged(tmp_path, capfd):
     from titan_ulysses.checkpoint.hf_export import read_model_weights
-    from titan_ulysses.models.llama.args import get_flavor
+    from titan_ulysses.models.decoder.args import get_flavor
 
     short = []  # BASE: seq_len 128, the shortest a byte-level passkey sample fits
     a = tmp_path / "a"
@@ -144,7 +144,7 @@ def hf_folder(tmp_path_factory):
 def _hf_weights(folder):
     from titan_ulysses.checkpoint.hf import load_hf_weights
     from titan_ulysses.models.hf_config import load_hf_args
-    from titan_ulysses.models.llama.model import Transformer
+    from titan_ulysses.models.decoder.model import Transformer
 
     model = Transformer(load_hf_args(str(folder)))
     load_hf_weights(model, str(folder))

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from titan_ulysses.checkpoint.manager import CheckpointManager
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 from titan_ulysses.models.registry import build_model, parallelize_model
 
 

@@ -34,7 +34,7 @@ from titan_ulysses.checkpoint.hf_adapter import (  # noqa: F401 (interleaved_to_
     theirs_to_ours,
 )
 from titan_ulysses.checkpoint.hf_export import export_hf, hf_config, read_model_weights  # noqa: F401
-from titan_ulysses.models.llama.args import LlamaArgs
+from titan_ulysses.models.decoder.args import LlamaArgs
 
 
 def safetensors_shapes(folder: str) -> dict[str, tuple[int, ...]]:

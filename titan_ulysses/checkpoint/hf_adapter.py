@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_ulysses.models.llama.args import LlamaArgs
+from titan_ulysses.models.decoder.args import LlamaArgs
 from titan_ulysses.models.registry import HFTensors, get_family
 
 

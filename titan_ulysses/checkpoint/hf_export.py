@@ -27,7 +27,7 @@ from titan_ulysses.checkpoint.hf_adapter import hf_tensors, join, our_shapes, ou
 from titan_ulysses.checkpoint.lora_export import merge, pop_adapters, scaling_of
 from titan_ulysses.checkpoint.steps import missing_checkpoint
 from titan_ulysses.models.families.common import rope_config
-from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
+from titan_ulysses.models.decoder.args import LlamaArgs, RopeScaling
 from titan_ulysses.models.registry import get_family
 
 RECORD = "model_args.json"
@@ -169,7 +169,7 @@ def check_checkpoint_shapes(found: dict[str, tuple], args: LlamaArgs, what: str)
 
 def _record_hint(checkpoint_dir: str) -> str:
     """What the checkpoint's record says its model is, as the setting that gives it."""
-    from titan_ulysses.models.llama.args import LLAMA_FLAVORS
+    from titan_ulysses.models.decoder.args import LLAMA_FLAVORS
 
     try:
         record = read_model_record(checkpoint_dir)

@@ -279,7 +279,7 @@ class Comm:
     instead of gloo's 30-minute (NCCL: 10-minute) default."""
 
 
-# lora.target_modules: the projections of a block, by Hugging Face name -> our name (models/llama/model.py)
+# lora.target_modules: the projections of a block, by Hugging Face name -> our name (models/decoder/model.py)
 LORA_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
                 "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 

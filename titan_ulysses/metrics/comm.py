@@ -4,7 +4,7 @@ from measured compute (fake-process-group simulation, see docs/simulation.md).""
 from __future__ import annotations
 
 from titan_ulysses.distributed.heads import attended_heads, exchanged_kv_heads
-from titan_ulysses.models.llama.args import LlamaArgs
+from titan_ulysses.models.decoder.args import LlamaArgs
 
 
 def ulysses_bytes_per_step(args: LlamaArgs, seq_len: int, tokens_batch: int, sp: int, tp: int,

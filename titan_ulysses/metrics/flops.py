@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_ulysses.models.llama.args import LlamaArgs
+from titan_ulysses.models.decoder.args import LlamaArgs
 
 # dense bf16 peak, TFLOP/s
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}

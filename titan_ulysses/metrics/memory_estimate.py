@@ -10,7 +10,7 @@ In fp32 with GQA (no cp) CUDA's sdpa kernels other than flash need a kv head per
 (``ops/attention.py``): attention keeps the expanded k and v instead.
 
 What autograd keeps per layer and local token without activation checkpointing, read off
-``models/llama/model.py`` (bytes):
+``models/decoder/model.py`` (bytes):
 
 * RMSNorm x2: its input and one fp32 scale per token, ``aD + 4`` each (``ops/norm.py``);
 * the q/k/v projections' input (the norm output): ``aD``;
@@ -149,7 +149,7 @@ from titan_ulysses.distributed.heads import attended_heads
 from titan_ulysses.distributed.staged_attention import stage_plans
 from titan_ulysses.metrics import memory_groups as groups
 from titan_ulysses.ops.norm import CHUNK_TOKENS as NORM_CHUNK_TOKENS
-from titan_ulysses.models.llama.args import LlamaArgs
+from titan_ulysses.models.decoder.args import LlamaArgs
 
 GIB = 1024**3
 

@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_ulysses.metrics.memory_estimate import Layout, Switches
-from titan_ulysses.models.llama.args import LlamaArgs
+from titan_ulysses.models.decoder.args import LlamaArgs
 
 TOTAL = "Total"
 
@@ -349,7 +349,7 @@ def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, lo
     from titan_ulysses.distributed.activation_offload import ActivationOffloader
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.distributed.utils import clip_grad_norm_
-    from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
     from titan_ulysses.models.registry import build_model, parallelize_model
     from titan_ulysses.optim import build_optimizer
 

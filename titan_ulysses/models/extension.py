@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
+from titan_ulysses.models.decoder.args import LlamaArgs, RopeScaling
 from titan_ulysses.models.registry import get_family
 
 METHODS = ("llama3", "yarn", "linear")

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 
-from titan_ulysses.models.llama.args import LlamaArgs
+from titan_ulysses.models.decoder.args import LlamaArgs
 from titan_ulysses.models.registry import HFConfigError, get_family
 
 __all__ = ["HFConfigError", "args_from_hf_config", "describe", "load_hf_args", "read_hf_config"]

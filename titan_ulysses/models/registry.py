@@ -15,7 +15,7 @@ from typing import Callable
 
 from torch import nn
 
-from titan_ulysses.models.llama.args import LlamaArgs
+from titan_ulysses.models.decoder.args import LlamaArgs
 
 # Hugging Face name -> the parts of it in order: (our name, heads whose rows are RoPE-ordered or 0).
 # One part: a renamed tensor; several: a fused projection (rows concatenated in this order).

@@ -14,7 +14,7 @@ from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError
 from titan_ulysses.models.extension import extend_context
 from titan_ulysses.models.hf_config import load_hf_args, read_hf_config
-from titan_ulysses.models.llama.args import LlamaArgs, get_flavor
+from titan_ulysses.models.decoder.args import LlamaArgs, get_flavor
 
 
 def model_args(config: JobConfig, vocab_size: int = 0) -> LlamaArgs:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from titan_ulysses.models.llama.args import RopeScaling
+from titan_ulysses.models.decoder.args import RopeScaling
 
 
 def default_inv_freq(dim: int, theta: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ compute differently is refused with one line naming the field and its value.
 
 from __future__ import annotations
 
-from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
+from titan_ulysses.models.decoder.args import LlamaArgs, RopeScaling
 from titan_ulysses.models.registry import HFConfigError, HFTensors
 from titan_ulysses.models.rope import REFUSED, ROPE_TYPES
 
@@ -158,12 +158,12 @@ def no_export_keys(args: LlamaArgs, config: dict) -> dict:
 
 
 def parallelize_llama(model, parallel_dims, options=None):
-    from titan_ulysses.models.llama.parallelize import parallelize_llama as parallelize
+    from titan_ulysses.models.decoder.parallelize import parallelize_llama as parallelize
 
     return parallelize(model, parallel_dims, options)
 
 
 def build_transformer(args: LlamaArgs, compute=None):
-    from titan_ulysses.models.llama.model import Transformer
+    from titan_ulysses.models.decoder.model import Transformer
 
     return Transformer(args, compute)

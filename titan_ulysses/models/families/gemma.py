@@ -14,7 +14,7 @@ from titan_ulysses.models.families.common import (
     base_args, check_common, llama_tensors, parallelize_llama, parse_rope, refuse,
 )
 from titan_ulysses.models.gemma.args import GemmaArgs
-from titan_ulysses.models.llama.args import LlamaArgs
+from titan_ulysses.models.decoder.args import LlamaArgs
 from titan_ulysses.models.registry import HFConfigError, HFTensors, ModelFamily, register
 
 ACT = "gelu_pytorch_tanh"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from titan_ulysses.models.families.common import (
     base_args, build_transformer, check_common, llama_tensors, parallelize_llama,
 )
-from titan_ulysses.models.llama.args import LlamaArgs
+from titan_ulysses.models.decoder.args import LlamaArgs
 from titan_ulysses.models.registry import HFConfigError, ModelFamily, register
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
+from titan_ulysses.models.decoder.args import LlamaArgs, RopeScaling
 
 
 @dataclass

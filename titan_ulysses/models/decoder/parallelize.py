@@ -17,7 +17,7 @@ from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.staged_attention import apply_head_stages, check_head_stages
 from titan_ulysses.distributed.tensor_parallel import apply_tp
 from titan_ulysses.distributed.ulysses import apply_ulysses, check_heads
-from titan_ulysses.models.llama.model import Transformer
+from titan_ulysses.models.decoder.model import Transformer
 
 
 @dataclass

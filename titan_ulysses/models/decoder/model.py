@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
+from titan_ulysses.models.decoder.args import LlamaArgs, RopeScaling
 from titan_ulysses.models.rope import rope_frequencies
 from titan_ulysses.ops.attention import build_attention
 from titan_ulysses.ops.loss import linear_cross_entropy_sum
