@@ -199,7 +199,7 @@ def _one_step(ctx, args, tokens, ac_mode: str, compile_: bool = False, compute=N
     model = Transformer(args, compute)
     model.init_weights()
     model.to(ctx.device)
-    apply_ac(model, ac_mode)  # the order of parallelize_llama
+    apply_ac(model, ac_mode)  # the order of parallelize_decoder
     if compile_:
         apply_compile(model)
     if ac_mode == "full_offload":

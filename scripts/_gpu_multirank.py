@@ -130,7 +130,7 @@ def model_equality(device, layout: dict, steps: int) -> dict:
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.distributed.utils import load_full_state_dict
     from titan_ulysses.models.decoder.model import Transformer
-    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_llama
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
 
     exact_fp32()
     pd = ParallelDims(**layout, world_size=dist.get_world_size())
@@ -142,7 +142,7 @@ def model_equality(device, layout: dict, steps: int) -> dict:
     ref.to(device)
     with torch.device("meta"):
         model = Transformer(args)
-    parallelize_llama(model, pd, ParallelizeOptions(param_dtype=torch.float32))
+    parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32))
     model.to_empty(device=device)
     model.init_buffers(device)
     load_full_state_dict(model, ref.state_dict())

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
 
     from titan_ulysses.distributed.activation_checkpoint import apply_ac
     from titan_ulysses.distributed.staged_attention import apply_head_stages, check_head_stages
-    from titan_ulysses.models.decoder.args import get_flavor
+    from titan_ulysses.models.flavors import get_flavor
     from titan_ulysses.models.decoder.model import Transformer
 
     if a.threads:

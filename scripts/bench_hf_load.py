@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 from titan_ulysses.checkpoint.hf_adapter import expected_hf_shapes  # noqa: E402
 from titan_ulysses.checkpoint.hf_export import hf_config  # noqa: E402
-from titan_ulysses.models.decoder.args import LlamaArgs  # noqa: E402
+from titan_ulysses.models.decoder.args import DecoderArgs  # noqa: E402
 
 GIB = 2**30
 
@@ -47,7 +47,7 @@ def _peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
 
 
-def write_random_folder(folder: str, args: LlamaArgs, shard_bytes: int = 256 * 2**20) -> None:
+def write_random_folder(folder: str, args: DecoderArgs, shard_bytes: int = 256 * 2**20) -> None:
     """A Llama folder of random bf16 weights, written one safetensors shard at a time."""
     from safetensors.torch import save_file
 
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         folder = a.hf_folder
         if not folder:
             folder = os.path.join(tmp, "hf")
-            args = LlamaArgs(dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads,
+            args = DecoderArgs(dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads,
                              ffn_hidden_dim=a.ffn, vocab_size=a.vocab, rope_scaling=None)
             write_random_folder(folder, args)
         from titan_ulysses.models.hf_config import load_hf_args

@@ -30,7 +30,8 @@ import torch
 
 from titan_ulysses.checkpoint.hf_export import export_hf, source_dtype
 from titan_ulysses.checkpoint.lora_export import export_peft_adapter
-from titan_ulysses.models.decoder.args import RopeScaling, get_flavor
+from titan_ulysses.models.decoder.args import RopeScaling
+from titan_ulysses.models.flavors import get_flavor
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 

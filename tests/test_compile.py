@@ -42,7 +42,7 @@ def test_compiled_ulysses_block_matches_eager(overrides):
 
 
 def _compiled_memory_switches_match_eager(ac_mode, float8):
-    """parallelize_llama with compile on, and every memory switch, against the same layout in eager."""
+    """parallelize_decoder with compile on, and every memory switch, against the same layout in eager."""
     from model_harness import build_pair, clean_name, full, make_batch, parallel_step
 
     from titan_ulysses.distributed.float8 import Float8Options

@@ -269,7 +269,7 @@ def test_estimator_and_comm_model_know_cp():
     from titan_ulysses.metrics.comm import context_parallel_bytes_per_step, ulysses_bytes_per_step
     from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
     from titan_ulysses.metrics.memory_fit import recommend
-    from titan_ulysses.models.decoder.args import get_flavor
+    from titan_ulysses.models.flavors import get_flavor
 
     args = get_flavor("debugmodel")  # 6 layers, 16 heads, 4 kv heads, head_dim 16
     # cp=2 x sp=4 over 4096 tokens: after Ulysses a rank holds 2048 tokens of 4/4 = 1 kv head;
@@ -320,7 +320,7 @@ def test_recommend_proposes_cp_on_every_backend_that_runs_under_cp():
 
     from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
     from titan_ulysses.metrics.memory_fit import recommend
-    from titan_ulysses.models.decoder.args import get_flavor
+    from titan_ulysses.models.flavors import get_flavor
     from titan_ulysses.ops.attention import registry
 
     # 12 heads, 4 kv heads, 12 GPUs: 3 ranks per sequence split the heads evenly only as 1 x cp 3,

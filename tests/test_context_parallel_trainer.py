@@ -58,7 +58,7 @@ def test_trainer_resumes_across_sp_cp_and_cp_x_sp_through_torchrun(tmp_path):
 @pytest.mark.slow
 def test_fake_world_runs_cp_and_reports_its_volume(tmp_path):
     from titan_ulysses.metrics.comm import context_parallel_bytes_per_step
-    from titan_ulysses.models.decoder.args import get_flavor
+    from titan_ulysses.models.flavors import get_flavor
 
     stdout, metrics = run_fake_world(tmp_path, 8, "--parallelism.ulysses_degree", "4",
                                      "--parallelism.context_parallel_degree", "2", "--training.seq_len", "1024",

@@ -7,7 +7,7 @@ import pytest
 from helpers import run_fake_world
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.metrics.comm import ulysses_bytes_per_step
-from titan_ulysses.models.decoder.args import get_flavor
+from titan_ulysses.models.flavors import get_flavor
 from titan_ulysses.preflight import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

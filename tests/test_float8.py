@@ -21,7 +21,7 @@ from titan_ulysses.distributed.float8 import Float8Options, apply_float8, precom
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import load_full_state_dict
 from titan_ulysses.models.decoder.model import Transformer
-from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
 
 
 def _model(args):
@@ -57,7 +57,7 @@ def _sharded_float8_matches(recipe):
     ref = _model(args)
     with torch.device("meta"):
         model = Transformer(args)
-    parallelize_llama(model, pd, ParallelizeOptions(param_dtype=torch.float32, float8=options))
+    parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32, float8=options))
     assert sum(isinstance(m, Float8Linear) for m in model.modules()) == args.n_layers * 7
     model.to_empty(device="cpu")
     model.init_buffers()

@@ -83,7 +83,7 @@ def _one_rank_computes_in_bf16():
 
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.models.decoder.model import Transformer
-    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_llama
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
 
     pd = ParallelDims(world_size=dist.get_world_size())
     pd.build_mesh("cpu")
@@ -91,7 +91,7 @@ def _one_rank_computes_in_bf16():
     for dtype in (torch.bfloat16, torch.float32):
         model = Transformer(small_args())
         model.init_weights()
-        parallelize_llama(model, pd, ParallelizeOptions(param_dtype=dtype))
+        parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=dtype))
         hook = model.layers["0"].feed_forward.w1.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
         model(torch.randint(0, 64, (1, 8)))
         hook.remove()

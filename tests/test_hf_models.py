@@ -22,7 +22,7 @@ from titan_ulysses.checkpoint.hf_adapter import from_hf, halves_to_interleaved, 
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.models.hf_config import load_hf_args
 from titan_ulysses.models.decoder.model import Transformer
-from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
 
 pytest.importorskip("transformers")
 SEQ, BATCH = 24, 4
@@ -63,7 +63,7 @@ def _load_and_compare(folders: dict, dp_shard: int, sp: int) -> None:
         args = load_hf_args(folder)
         with torch.device("meta"):
             model = Transformer(args)
-        parallelize_llama(model, pd, ParallelizeOptions(param_dtype=torch.float32))
+        parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32))
         model.to_empty(device="cpu")
         model.init_buffers()
         with torch.no_grad():  # garbage that the load must overwrite everywhere

@@ -24,7 +24,7 @@ from titan_ulysses.distributed.lora import LoRAOptions, apply_lora, init_lora, p
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import clip_grad_norm_, load_full_state_dict
 from titan_ulysses.models.decoder.model import Transformer
-from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
 from titan_ulysses.optim import build_optimizer
 
 SEQ_LEN = 13  # padded by every layout
@@ -59,7 +59,7 @@ def trained_like_reference(args, lora: LoRAOptions = LORA, float8: Float8Options
 def parallel_twin(ref, args, pd: ParallelDims, options: ParallelizeOptions, compute=None):
     with torch.device("meta"):
         model = Transformer(args, compute)
-    parallelize_llama(model, pd, options)
+    parallelize_decoder(model, pd, options)
     model.to_empty(device="cpu")
     model.init_buffers()
     load_full_state_dict(model, ref.state_dict())
@@ -180,7 +180,7 @@ def _resume_at_another_layout(folder):
     for lora in (None, LoRAOptions(rank=2, alpha=8.0)):
         with torch.device("meta"):
             other = Transformer(args)
-        parallelize_llama(other, pd, ParallelizeOptions(param_dtype=torch.float32, lora=lora))
+        parallelize_decoder(other, pd, ParallelizeOptions(param_dtype=torch.float32, lora=lora))
         other.to_empty(device="cpu")
         opt = build_optimizer(other, "AdamW", LR, 0.1, 1e-8, (0.9, 0.999), "cpu")
         ckpt = CheckpointManager(folder=os.path.join(folder, "sp2"), model=other, optimizer=opt, lr_scheduler=opt,

@@ -130,7 +130,7 @@ def _save_lora_checkpoint(folder, out):
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.distributed.utils import load_full_state_dict
     from titan_ulysses.models.hf_config import load_hf_args
-    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_llama
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
 
     pd = ParallelDims(sp=2, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
@@ -138,7 +138,7 @@ def _save_lora_checkpoint(folder, out):
     lora = LoRAOptions(rank=RANK, alpha=ALPHA)
     with torch.device("meta"):
         model = Transformer(args)
-    parallelize_llama(model, pd, ParallelizeOptions(param_dtype=torch.float32, lora=lora))
+    parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32, lora=lora))
     model.to_empty(device="cpu")
     model.init_buffers()
     load_hf_weights(model, folder)

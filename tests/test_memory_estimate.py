@@ -23,9 +23,9 @@ from titan_ulysses.distributed.ulysses import apply_ulysses
 from titan_ulysses.metrics.memory_estimate import Layout, Switches, estimate
 from titan_ulysses.metrics.memory_track import cuda_kernel_choices, track_step
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.decoder.args import get_flavor
+from titan_ulysses.models.flavors import get_flavor
 from titan_ulysses.models.decoder.model import Transformer
-from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_llama
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import estimate_memory  # noqa: E402
@@ -81,7 +81,7 @@ def _sp2_matches():
     # the parameter shards FSDP leaves on this rank, against the estimate's parameter term
     with torch.device("meta"):
         sharded = Transformer(args)
-    parallelize_llama(sharded, pd, ParallelizeOptions(param_dtype=torch.float32))
+    parallelize_decoder(sharded, pd, ParallelizeOptions(param_dtype=torch.float32))
     local = sum(p.to_local().numel() * 4 for p in sharded.parameters())
     est = estimate(args, Layout(sp=2), Switches(act_bytes=4), SEQ)
     assert abs(est.parameters - local) / local < 0.01, (est.parameters, local)

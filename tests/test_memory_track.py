@@ -16,7 +16,7 @@ import pytest
 from titan_ulysses.metrics.memory_estimate import Layout, Switches, estimate
 from titan_ulysses.metrics import track_extrapolation
 from titan_ulysses.metrics.memory_track import track_step
-from titan_ulysses.models.decoder.args import get_flavor
+from titan_ulysses.models.flavors import get_flavor
 
 CASES = {
     # the shipped 8B config's switches over sp=8: the chunked loss's backward is the peak

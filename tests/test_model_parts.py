@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from titan_ulysses.metrics.flops import flops_per_token
-from titan_ulysses.models.decoder.args import LLAMA_FLAVORS, RopeScaling, get_flavor
+from titan_ulysses.models.decoder.args import RopeScaling
+from titan_ulysses.models.flavors import FLAVORS, get_flavor
 from titan_ulysses.models.decoder.model import Transformer, apply_rope, rope_inv_freq
 from titan_ulysses.ops.attention import cu_seqlens_from_document_ids
 from titan_ulysses.optim import wsd_factor
@@ -56,7 +57,7 @@ def test_flavor_sizes():
     assert round(get_flavor("70B").num_params() / 1e9, 1) == 70.6
     assert round(get_flavor("1B").num_params() / 1e9, 2) == 1.24
     assert get_flavor("debugmodel_gqa1").n_kv_heads == 1
-    assert set(LLAMA_FLAVORS) >= {"debugmodel", "debugmodel_gqa1", "1B", "3B", "8B", "70B"}
+    assert set(FLAVORS) >= {"debugmodel", "debugmodel_gqa1", "1B", "3B", "8B", "70B"}
 
 
 def test_flops_count_attention_once_for_causal():

@@ -6,7 +6,7 @@ import torch
 from titan_ulysses.data.sharding import check_seq_len, shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import check_heads, kv_replication_factor
-from titan_ulysses.models.decoder.args import get_flavor
+from titan_ulysses.models.flavors import get_flavor
 from titan_ulysses.ops.attention import build_attention
 
 

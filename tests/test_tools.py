@@ -74,7 +74,7 @@ def test_estimate_memory_track_shows_a_progress_bar():
     frames = proc.stderr.replace("\r", "\n").splitlines()
     done = [f for f in frames if f.startswith("--track: block forwards: 100%")]
     from titan_ulysses.metrics.track_extrapolation import tracked_layer_counts
-    from titan_ulysses.models.decoder.args import get_flavor
+    from titan_ulysses.models.flavors import get_flavor
 
     # one step of one microbatch at each depth the tracker traces (3 and 4 of the 6 layers), no recomputation
     passes = sum(tracked_layer_counts(get_flavor("debugmodel").n_layers))

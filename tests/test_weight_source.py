@@ -91,7 +91,7 @@ def _refuses_until_asked(argv, folder, capfd, source_line, keep=None, trained=Fa
 
 def test_flavor_run_and_initial_load_path_with_every_checkpoint_damaged(tmp_path, capfd):
     from titan_ulysses.checkpoint.hf_export import read_model_weights
-    from titan_ulysses.models.decoder.args import get_flavor
+    from titan_ulysses.models.flavors import get_flavor
 
     short = []  # BASE: seq_len 128, the shortest a byte-level passkey sample fits
     a = tmp_path / "a"

@@ -39,7 +39,7 @@ from titan_ulysses.metrics.progress import RunProgress
 from titan_ulysses.metrics.system import WaitTimer, system_metrics
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.hf_config import describe
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 from titan_ulysses.models.registry import build_model, parallelize_model
 from titan_ulysses.models.resolve import model_args
@@ -81,7 +81,7 @@ def init_distributed(fake_world_size: int = 0, timeout_seconds: float | None = N
     return device
 
 
-def init_weights(model: torch.nn.Module, args: LlamaArgs, device: torch.device, seed: int, lora: bool = False) -> None:
+def init_weights(model: torch.nn.Module, args: DecoderArgs, device: torch.device, seed: int, lora: bool = False) -> None:
     """Initialise the sharded model so that its weights do not depend on the layout.
 
     On CUDA, DTensor's offset-based RNG makes sharded init equal to unsharded init. On CPU

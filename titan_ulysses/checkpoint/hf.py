@@ -34,7 +34,7 @@ from titan_ulysses.checkpoint.hf_adapter import (  # noqa: F401 (interleaved_to_
     theirs_to_ours,
 )
 from titan_ulysses.checkpoint.hf_export import export_hf, hf_config, read_model_weights  # noqa: F401
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 
 
 def safetensors_shapes(folder: str) -> dict[str, tuple[int, ...]]:
@@ -63,7 +63,7 @@ def _extra_layers(found: dict, n_layers: int) -> list[str]:
     return sorted(k for k in found if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m[1]) >= n_layers)
 
 
-def check_hf_weights(folder: str, args: LlamaArgs) -> None:
+def check_hf_weights(folder: str, args: DecoderArgs) -> None:
     """Refuse (ValueError, one line) weights that are missing or shaped unlike ``args`` (from config.json)."""
     found = safetensors_shapes(folder)
     expected = expected_hf_shapes(args)

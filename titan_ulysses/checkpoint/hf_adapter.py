@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.registry import HFTensors, get_family
 
 
-def hf_tensors(args: LlamaArgs) -> HFTensors:
+def hf_tensors(args: DecoderArgs) -> HFTensors:
     """Hugging Face name -> [(our name, RoPE-ordered heads or 0), ...] for a model of ``args``."""
     return get_family(args.family).hf_tensors(args)
 
@@ -52,12 +52,12 @@ def halves_to_interleaved(w: torch.Tensor, n_heads: int, rotary_dim: int | None 
     return torch.cat((rot, rest), dim=1).reshape(w.shape)
 
 
-def ours_to_theirs(w: torch.Tensor, heads: int, args: LlamaArgs) -> torch.Tensor:
+def ours_to_theirs(w: torch.Tensor, heads: int, args: DecoderArgs) -> torch.Tensor:
     """One of our tensors in Hugging Face's layout (permuted if RoPE-ordered)."""
     return interleaved_to_halves(w, heads, args.rotary_dim) if heads else w
 
 
-def theirs_to_ours(w: torch.Tensor, heads: int, args: LlamaArgs) -> torch.Tensor:
+def theirs_to_ours(w: torch.Tensor, heads: int, args: DecoderArgs) -> torch.Tensor:
     return halves_to_interleaved(w, heads, args.rotary_dim) if heads else w
 
 
@@ -65,7 +65,7 @@ def join(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-def to_hf(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
+def to_hf(state: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
     """Our full (unsharded) weights -> Hugging Face names and layout (fused projections joined)."""
     return {theirs: join([ours_to_theirs(state[ours], heads, args) for ours, heads in parts])
             for theirs, parts in hf_tensors(args).items()}
@@ -76,7 +76,7 @@ def split(w: torch.Tensor, parts: list[tuple[str, int]], shapes: dict[str, tuple
     return [w] if len(parts) == 1 else list(w.split([shapes[ours][0] for ours, _ in parts], dim=0))
 
 
-def from_hf(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
+def from_hf(state: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
     """Hugging Face full weights -> our names and layout (extra keys, e.g. a tied lm_head, are ignored)."""
     shapes = our_shapes(args)
     out = {}
@@ -86,7 +86,7 @@ def from_hf(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.
     return out
 
 
-def our_shapes(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
+def our_shapes(args: DecoderArgs) -> dict[str, tuple[int, ...]]:
     """Our name -> shape for a model of ``args`` (built on the meta device, no memory)."""
     from titan_ulysses.models.registry import build_model
 
@@ -94,7 +94,7 @@ def our_shapes(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v.shape) for k, v in build_model(args).state_dict().items()}
 
 
-def expected_hf_shapes(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
+def expected_hf_shapes(args: DecoderArgs) -> dict[str, tuple[int, ...]]:
     """Hugging Face name -> shape for a model of ``args``."""
     shapes = our_shapes(args)
     return {theirs: (sum(shapes[o][0] for o, _ in parts), *shapes[parts[0][0]][1:])

@@ -27,7 +27,7 @@ from titan_ulysses.checkpoint.hf_adapter import hf_tensors, join, our_shapes, ou
 from titan_ulysses.checkpoint.lora_export import merge, pop_adapters, scaling_of
 from titan_ulysses.checkpoint.steps import missing_checkpoint
 from titan_ulysses.models.families.common import rope_config
-from titan_ulysses.models.decoder.args import LlamaArgs, RopeScaling
+from titan_ulysses.models.decoder.args import DecoderArgs, RopeScaling
 from titan_ulysses.models.registry import get_family
 
 RECORD = "model_args.json"
@@ -40,7 +40,7 @@ _RUNTIME_FIELDS = ("attn_backend", "sdpa_backends", "mlp_tile_size", "loss_chunk
 # -- the record ------------------------------------------------------------------------------
 
 
-def write_model_record(step_dir: str, args: LlamaArgs, hf_assets_path: str = "", seq_len: int = 0) -> None:
+def write_model_record(step_dir: str, args: DecoderArgs, hf_assets_path: str = "", seq_len: int = 0) -> None:
     """Write ``model_args.json`` (and ``hf_assets/`` when the run came from a Hugging Face folder) into a checkpoint.
 
     ``seq_len``: the length the run trains at; export raises ``max_position_embeddings`` to it.
@@ -69,7 +69,7 @@ def recorded_seq_len(step_dir: str) -> int:
         return int(json.load(f).get("seq_len", 0))
 
 
-def read_model_record(step_dir: str) -> tuple[LlamaArgs, dict | None] | None:
+def read_model_record(step_dir: str) -> tuple[DecoderArgs, dict | None] | None:
     """(args, source config.json or None) recorded in a checkpoint; None for checkpoints without a record."""
     path = os.path.join(step_dir, RECORD)
     if not os.path.isfile(path):
@@ -98,7 +98,7 @@ def read_data_settings(checkpoint_dir: str) -> dict | None:
 # -- config.json -----------------------------------------------------------------------------
 
 
-def hf_config(args: LlamaArgs, dtype: torch.dtype, max_position_embeddings: int = 131072,
+def hf_config(args: DecoderArgs, dtype: torch.dtype, max_position_embeddings: int = 131072,
               base: dict | None = None, trained_seq_len: int = 0) -> dict:
     """config.json for ``args``: ``base`` (the source folder's, when there is one) with every shape written over.
 
@@ -155,7 +155,7 @@ def _model_metadata(checkpoint_dir: str) -> dict[str, TensorStorageMetadata]:
     return model
 
 
-def check_checkpoint_shapes(found: dict[str, tuple], args: LlamaArgs, what: str) -> None:
+def check_checkpoint_shapes(found: dict[str, tuple], args: DecoderArgs, what: str) -> None:
     """Refuse (ValueError, one line) a checkpoint whose tensors are not those of a model of ``args``."""
     expected = our_shapes(args)
     if expected != found:
@@ -169,7 +169,7 @@ def check_checkpoint_shapes(found: dict[str, tuple], args: LlamaArgs, what: str)
 
 def _record_hint(checkpoint_dir: str) -> str:
     """What the checkpoint's record says its model is, as the setting that gives it."""
-    from titan_ulysses.models.decoder.args import LLAMA_FLAVORS
+    from titan_ulysses.models.flavors import FLAVORS
 
     try:
         record = read_model_record(checkpoint_dir)
@@ -182,12 +182,12 @@ def _record_hint(checkpoint_dir: str) -> str:
         return (f"; it records a Hugging Face model ({get_family(args.family).architecture}, {args.n_layers} layers, dim "
                 f"{args.dim}): set model.hf_assets_path to that folder")
     same = lambda a: dataclasses.replace(a, rope_theta=0.0, rope_scaling=None)  # noqa: E731 (shapes only)
-    flavor = next((name for name, f in LLAMA_FLAVORS.items() if same(f) == same(args)), None)
+    flavor = next((name for name, f in FLAVORS.items() if same(f) == same(args)), None)
     return (f"; it records model.flavor {flavor!r}: set --model.flavor {flavor}" if flavor else
             f"; it records {args.n_layers} layers, dim {args.dim}: set model.flavor to that model's")
 
 
-def check_dcp_model_shapes(checkpoint_dir: str, args: LlamaArgs) -> None:
+def check_dcp_model_shapes(checkpoint_dir: str, args: DecoderArgs) -> None:
     """Refuse, from its .metadata alone, a checkpoint whose model does not have the shapes of ``args``."""
     reason = missing_checkpoint(checkpoint_dir)
     if reason:
@@ -239,7 +239,7 @@ def _plan_shards(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
     return shards + [current] if current else shards
 
 
-def export_hf(checkpoint_dir: str, args: LlamaArgs | None, output_dir: str, dtype: torch.dtype | None = None,
+def export_hf(checkpoint_dir: str, args: DecoderArgs | None, output_dir: str, dtype: torch.dtype | None = None,
               max_position_embeddings: int = 131072, max_shard_size: int = 5 * 2**30) -> list[str]:
     """Write a Hugging Face folder for ``checkpoint_dir``; ``args`` None reads them from its record.
 

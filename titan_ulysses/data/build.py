@@ -1,6 +1,6 @@
 """The data side of a run, from the config: datasets, the stateful loader, validation batches.
 
-``build_data`` is to data what ``parallelize_llama`` is to the model: the trainer calls it
+``build_data`` is to data what ``parallelize_decoder`` is to the model: the trainer calls it
 once and gets back a ``Data`` holding the training loader (whose state is the global sample
 index, plus the data settings that a resume checks), whether rows pack several documents
 (so attention needs the document mask), and a factory for the held-out batches.

@@ -14,7 +14,7 @@ import hashlib
 import os
 
 from titan_ulysses.data.sources import DataError
-from titan_ulysses.models.decoder.args import BYTE_VOCAB_SIZE
+from titan_ulysses.models.flavors import BYTE_VOCAB_SIZE
 
 
 class TokenizerError(DataError):

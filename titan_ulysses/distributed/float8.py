@@ -52,7 +52,7 @@ def _import_torchao():
 
 
 def float8_options(config) -> Float8Options | None:
-    """The float8 settings of ``config`` (a JobConfig) for ``parallelize_llama``; None when float8 is off."""
+    """The float8 settings of ``config`` (a JobConfig) for ``parallelize_decoder``; None when float8 is off."""
     f = config.float8
     if not f.enable:
         return None

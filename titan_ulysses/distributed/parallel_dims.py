@@ -27,7 +27,7 @@ Adding a dimension is three edits here and one ``apply_*`` function elsewhere
 2. insert its name in ``MESH_DIMS`` at its place in the order;
 3. add it to the groups of ``FLATTENED`` that must span it (FSDP and loss reductions usually
    do; data loading does not when its ranks share a sample);
-then write ``apply_x(model, mesh["x"])`` and call it from ``parallelize_llama``.
+then write ``apply_x(model, mesh["x"])`` and call it from ``parallelize_decoder``.
 Range checks, the world-size check and its message, ``size``, ``build_mesh`` and the HSDP
 mesh are generic over ``MESH_DIMS`` / ``FLATTENED``; groups are named by role, not by the
 dimensions they span, so that no caller has to be renamed when a dimension joins a group.

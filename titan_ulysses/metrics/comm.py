@@ -4,10 +4,10 @@ from measured compute (fake-process-group simulation, see docs/simulation.md).""
 from __future__ import annotations
 
 from titan_ulysses.distributed.heads import attended_heads, exchanged_kv_heads
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 
 
-def ulysses_bytes_per_step(args: LlamaArgs, seq_len: int, tokens_batch: int, sp: int, tp: int,
+def ulysses_bytes_per_step(args: DecoderArgs, seq_len: int, tokens_batch: int, sp: int, tp: int,
                            dtype_bytes: int, recompute_forward: bool, cp: int = 1) -> float:
     """Bytes one rank sends over the sp group's links in one optimizer step.
 
@@ -27,7 +27,7 @@ def ulysses_bytes_per_step(args: LlamaArgs, seq_len: int, tokens_batch: int, sp:
     return args.n_layers * forward * passes
 
 
-def context_parallel_bytes_per_step(args: LlamaArgs, seq_len: int, tokens_batch: int, cp: int, sp: int, tp: int,
+def context_parallel_bytes_per_step(args: DecoderArgs, seq_len: int, tokens_batch: int, cp: int, sp: int, tp: int,
                                     dtype_bytes: int, recompute_forward: bool) -> float:
     """Bytes one rank sends over the cp group's links in one optimizer step.
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 
 # dense bf16 peak, TFLOP/s
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
-def flops_per_token(args: LlamaArgs, seq_len: int, lora_params: int = 0) -> float:
+def flops_per_token(args: DecoderArgs, seq_len: int, lora_params: int = 0) -> float:
     """Training FLOPs (forward + backward = 3x forward) of one token at sequence length ``seq_len``.
 
     Matmuls: 6 per parameter touched (embedding lookups excluded, the output layer included).

@@ -149,7 +149,7 @@ from titan_ulysses.distributed.heads import attended_heads
 from titan_ulysses.distributed.staged_attention import stage_plans
 from titan_ulysses.metrics import memory_groups as groups
 from titan_ulysses.ops.norm import CHUNK_TOKENS as NORM_CHUNK_TOKENS
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 
 GIB = 1024**3
 
@@ -230,7 +230,7 @@ class Estimate:
         return {**terms, "phases": dict(self.phases), "total": self.total, "peak_phase": self.peak_phase}
 
 
-def _widths(args: LlamaArgs, layout: Layout, fp32: bool = False) -> tuple[int, int, int, int, int, int, int]:
+def _widths(args: DecoderArgs, layout: Layout, fp32: bool = False) -> tuple[int, int, int, int, int, int, int]:
     """(D, q, kv, the attended widths qa, kva_held, kva, F) per local token.
 
     q, kv: the projections' widths on a tp rank. qa, kva: the q and kv widths the busiest sp
@@ -250,14 +250,14 @@ def _widths(args: LlamaArgs, layout: Layout, fp32: bool = False) -> tuple[int, i
     return args.dim, q, kv, n_q * per_head, held * per_head, n_kv * per_head, args.ffn_hidden_dim // layout.tp
 
 
-def _cp_kv_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
+def _cp_kv_per_token(args: DecoderArgs, layout: Layout, s: Switches) -> float:
     """Bytes per local token of the K/V prefixes a cp rank's two chunks attend to (see above)."""
     _, _, _, qa, _, kva, _ = _widths(args, layout)
     width = kva if s.act_bytes == 2 else qa  # bf16: flash takes GQA; fp32: expanded to the q heads
     return s.act_bytes * width * (2 * layout.cp + 1)
 
 
-def stage_kept_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
+def stage_kept_per_token(args: DecoderArgs, layout: Layout, s: Switches) -> float:
     """Head stages that keep their attention kernel's outputs (``Switches.stage_keep_attention``): every stage's
     output and fp32 logsumexp, per local token (the busiest rank's heads; 0 without stages or keep)."""
     if s.head_stages <= 1 or not s.stage_keep_attention:
@@ -266,7 +266,7 @@ def stage_kept_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
     return s.act_bytes * qa + 4 * (qa // args.head_dim)
 
 
-def _stage_terms(args: LlamaArgs, layout: Layout, s: Switches) -> list[dict[str, float]]:
+def _stage_terms(args: DecoderArgs, layout: Layout, s: Switches) -> list[dict[str, float]]:
     """Per head stage, bytes per local token of the busiest rank: its projections' outputs before the exchange
     (``local``), the all-to-all's buffer (``exchanged``; the received kv heads expanded where a rank needs them),
     the kernel's output and fp32 logsumexp (``kernel``), the returned output (``returned``, sp > 1) and its
@@ -288,7 +288,7 @@ def _stage_terms(args: LlamaArgs, layout: Layout, s: Switches) -> list[dict[str,
     return terms
 
 
-def stage_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> tuple[float, float]:
+def stage_bytes_per_token(args: DecoderArgs, layout: Layout, s: Switches) -> tuple[float, float]:
     """Head-staged attention (``distributed/staged_attention.py``) per local token, beyond the layer's recompute:
     (the largest stage's forward inside the layer's recompute, its backward). Forward: the stages' sum so far and
     the last stage's share of the layer output (the residual and the ffn_norm's output do not exist yet, the
@@ -305,7 +305,7 @@ def stage_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> tuple
     return fwd, bwd
 
 
-def stage_selective_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
+def stage_selective_per_token(args: DecoderArgs, layout: Layout, s: Switches) -> float:
     """What selective AC's cache keeps of a head-staged layer per local token: its policy sees the ops inside every
     stage's checkpoint, so it keeps each stage's matmul, all-to-all and kernel outputs (keep or not)."""
     sp = layout.sp > 1
@@ -313,7 +313,7 @@ def stage_selective_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> f
                for t in _stage_terms(args, layout, s))
 
 
-def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: str = "none") -> float:
+def layer_bytes_per_token(args: DecoderArgs, layout: Layout, s: Switches, mode: str = "none") -> float:
     """Bytes one layer keeps for backward per local token under AC ``mode``."""
     d, q, kv, qa, kva_held, kva, f = _widths(args, layout, s.act_bytes == 4)
     a = s.act_bytes
@@ -346,7 +346,7 @@ def layer_bytes_per_token(args: LlamaArgs, layout: Layout, s: Switches, mode: st
     return norms + a * d + attention + wo_input + mlp + rope
 
 
-def _loss_transients(args: LlamaArgs, s: Switches, tokens: float) -> tuple[float, float, float]:
+def _loss_transients(args: DecoderArgs, s: Switches, tokens: float) -> tuple[float, float, float]:
     """(forward, backward, beside the backward's logits) bytes of the loss (``ops/loss.py``) over ``tokens`` rows.
 
     Chunked, per chunk of r rows: forward, the fp32 logits and their log-softmax; backward,
@@ -365,7 +365,7 @@ def _loss_transients(args: LlamaArgs, s: Switches, tokens: float) -> tuple[float
     return (a + (4 if cast else 0) + 4) * tokens * v, 12 * tokens * v, 0.0
 
 
-def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1) -> Estimate:
+def estimate(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1) -> Estimate:
     """The memory of one rank for a step of ``local_batch`` sequences of ``seq_len`` tokens."""
     s, a = switches, switches.act_bytes
     tokens = local_batch * seq_len / (layout.sp * layout.cp)  # T

@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_ulysses.metrics.memory_estimate import Layout, Switches
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 
 TOTAL = "Total"
 
@@ -285,7 +285,7 @@ def _sharding_metadata_unseen():
         yield
 
 
-def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1,
+def track_step(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1,
                extrapolate: bool = True) -> StepMemory:
     """The memory of rank 0 over a steady-state step (the optimizer state exists, gradients do not).
 
@@ -335,7 +335,7 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
     return step
 
 
-def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1,
+def _track(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1,
            keyed: bool = False, token_scale: float = 1.0) -> StepMemory:
     """One step traced as it is (``keyed``: with the per-event largest; ``token_scale``: the length this
     trace stands for over ``seq_len``, for the size thresholds)."""

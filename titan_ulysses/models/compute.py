@@ -1,4 +1,4 @@
-"""How a run computes the model, as opposed to what the model is (``LlamaArgs``).
+"""How a run computes the model, as opposed to what the model is (``DecoderArgs``).
 
 These settings change memory and speed, never the function the model computes; they are
 not part of a checkpoint's ``model_args.json``.

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_ulysses.models.decoder.args import LlamaArgs, RopeScaling
+from titan_ulysses.models.decoder.args import DecoderArgs, RopeScaling
 from titan_ulysses.models.registry import get_family
 
 METHODS = ("llama3", "yarn", "linear")
 
 
-def extend_context(args: LlamaArgs, factor: float, method: str = "", original: int = 0,
-                   max_position_embeddings: int = 0) -> LlamaArgs:
+def extend_context(args: DecoderArgs, factor: float, method: str = "", original: int = 0,
+                   max_position_embeddings: int = 0) -> DecoderArgs:
     """``args`` with RoPE scaled ``factor`` times by ``method`` ("" : the model's own); ValueError names the setting."""
     if factor <= 0:
         return args

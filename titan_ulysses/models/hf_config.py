@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.registry import HFConfigError, get_family
 
 __all__ = ["HFConfigError", "args_from_hf_config", "describe", "load_hf_args", "read_hf_config"]
@@ -52,7 +52,7 @@ def _refuse_unsupported(cfg: dict) -> None:
                             f"models are)")
 
 
-def args_from_hf_config(cfg: dict, **overrides) -> LlamaArgs:
+def args_from_hf_config(cfg: dict, **overrides) -> DecoderArgs:
     """Model arguments for a parsed config.json, by its family; raises HFConfigError naming the field it refuses."""
     _refuse_unsupported(cfg)
     args = get_family(cfg.get("model_type")).args_from_config(cfg)
@@ -62,12 +62,12 @@ def args_from_hf_config(cfg: dict, **overrides) -> LlamaArgs:
         raise HFConfigError(str(e)) from e
 
 
-def load_hf_args(folder: str, **overrides) -> LlamaArgs:
-    """The folder's config.json as ``LlamaArgs`` (FileNotFoundError / HFConfigError otherwise)."""
+def load_hf_args(folder: str, **overrides) -> DecoderArgs:
+    """The folder's config.json as ``DecoderArgs`` (FileNotFoundError / HFConfigError otherwise)."""
     return args_from_hf_config(read_hf_config(folder), **overrides)
 
 
-def describe(args: LlamaArgs) -> str:
+def describe(args: DecoderArgs) -> str:
     """One line for the start-up message: family and shapes read from config.json."""
     extras = [name for name, on in (("tied embeddings", args.tie_embeddings), ("qkv bias", args.qkv_bias),
                                     ("qk norm", args.qk_norm)) if on]

@@ -15,7 +15,7 @@ from typing import Callable
 
 from torch import nn
 
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 
 # Hugging Face name -> the parts of it in order: (our name, heads whose rows are RoPE-ordered or 0).
 # One part: a renamed tensor; several: a fused projection (rows concatenated in this order).
@@ -32,11 +32,11 @@ class ModelFamily:
     """config.json's ``model_type``."""
     architecture: str
     """The transformers class ``AutoModelForCausalLM`` builds (config.json ``architectures``)."""
-    args_from_config: Callable[[dict], LlamaArgs]
+    args_from_config: Callable[[dict], DecoderArgs]
     """config.json (parsed) -> model arguments; raises HFConfigError naming a field it cannot train."""
-    hf_tensors: Callable[[LlamaArgs], HFTensors]
+    hf_tensors: Callable[[DecoderArgs], HFTensors]
     """The Hugging Face tensors of a model of these arguments and where each comes from."""
-    export_config: Callable[[LlamaArgs, dict], dict]
+    export_config: Callable[[DecoderArgs, dict], dict]
     """The family's own config.json keys, written over the shared ones by export."""
     build: Callable[..., nn.Module]
     """``(args, ComputeOptions | None) ->`` the (non-distributed) module; under ``torch.device("meta")``
@@ -45,7 +45,7 @@ class ModelFamily:
     """``(model, parallel_dims, ParallelizeOptions) -> model``: TP plan, cp, Ulysses, AC, compile, FSDP."""
     extension: str = ""
     """RoPE method its context extension uses when config.json has none (models/extension.py); "": none."""
-    args_class: type = LlamaArgs
+    args_class: type = DecoderArgs
     """The dataclass of its model arguments (a checkpoint's model_args.json is read back into it)."""
 
 
@@ -65,12 +65,12 @@ def get_family(model_type: str) -> ModelFamily:
     return FAMILIES[model_type]
 
 
-def build_model(args: LlamaArgs, compute=None) -> nn.Module:
+def build_model(args: DecoderArgs, compute=None) -> nn.Module:
     """The module of ``args.family`` (Llama flavors: "llama"), computing as ``compute`` (ComputeOptions) says."""
     return get_family(args.family).build(args, compute)
 
 
-def check_compute(args: LlamaArgs, attn_backend: str, sdpa_backends: str = "auto") -> None:
+def check_compute(args: DecoderArgs, attn_backend: str, sdpa_backends: str = "auto") -> None:
     """Refuse (ValueError, one line) a backend that cannot compute what the model needs (windows, softcap),
     by the attention registry's capabilities."""
     from titan_ulysses.ops.attention import get_backend, registry

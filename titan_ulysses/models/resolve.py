@@ -12,12 +12,13 @@ import dataclasses
 
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError
+from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.extension import extend_context
+from titan_ulysses.models.flavors import get_flavor
 from titan_ulysses.models.hf_config import load_hf_args, read_hf_config
-from titan_ulysses.models.decoder.args import LlamaArgs, get_flavor
 
 
-def model_args(config: JobConfig, vocab_size: int = 0) -> LlamaArgs:
+def model_args(config: JobConfig, vocab_size: int = 0) -> DecoderArgs:
     """The model's architecture (from model.flavor, or from the config.json of model.hf_assets_path)
     with the config's model overrides; ``vocab_size`` (the tokenizer's, 0: unknown) must fit in it.
 

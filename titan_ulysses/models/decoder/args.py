@@ -1,13 +1,12 @@
-"""Llama 3 model arguments and the named flavors.
+"""The decoder's arguments: every shape and option a family's config.json sets (``models/families/``).
 
-Qwen3 and Qwen2/2.5 are the same Transformer with a few flags (``qk_norm``,
+Qwen3 and Qwen2/2.5 are the Llama decoder with a few flags (``qk_norm``,
 ``head_dim_override``, ``qkv_bias``); ``models/hf_config.py`` reads them from a Hugging
-Face ``config.json``.
+Face ``config.json``. The named shapes (``model.flavor``) are in ``models/flavors.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -45,7 +44,7 @@ class RopeScaling:
 
 
 @dataclass
-class LlamaArgs:
+class DecoderArgs:
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -93,36 +92,3 @@ class LlamaArgs:
         mlp = 3 * self.dim * self.ffn_hidden_dim
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + mlp + 2 * self.dim) + emb + self.dim
-
-
-# Byte-level tokenizer: 256 bytes plus BOS, EOS, PAD and one spare id, rounded up to 8.
-BYTE_VOCAB_SIZE = 264
-
-LLAMA_FLAVORS: dict[str, LlamaArgs] = {
-    "debugmodel": LlamaArgs(
-        dim=256, n_layers=6, n_heads=16, n_kv_heads=4, vocab_size=BYTE_VOCAB_SIZE,
-        ffn_hidden_dim=768, rope_theta=10000.0, rope_scaling=None,
-    ),
-    "debugmodel_gqa1": LlamaArgs(
-        dim=256, n_layers=6, n_heads=16, n_kv_heads=1, vocab_size=BYTE_VOCAB_SIZE,
-        ffn_hidden_dim=768, rope_theta=10000.0, rope_scaling=None,
-    ),
-    # Llama 3.2 shapes (tied embeddings, RoPE scaling factor 32)
-    "1B": LlamaArgs(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192,
-        rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
-    ),
-    "3B": LlamaArgs(
-        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_hidden_dim=8192,
-        rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
-    ),
-    # Llama 3.1 shapes
-    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336),
-    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672),
-}
-
-
-def get_flavor(flavor: str, **overrides) -> LlamaArgs:
-    if flavor not in LLAMA_FLAVORS:
-        raise ValueError(f"model flavor {flavor!r} is not one of {sorted(LLAMA_FLAVORS)}")
-    return dataclasses.replace(LLAMA_FLAVORS[flavor], **overrides)

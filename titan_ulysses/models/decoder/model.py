@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.decoder.args import LlamaArgs, RopeScaling
+from titan_ulysses.models.decoder.args import DecoderArgs, RopeScaling
 from titan_ulysses.models.rope import rope_frequencies
 from titan_ulysses.ops.attention import build_attention
 from titan_ulysses.ops.loss import linear_cross_entropy_sum
@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs, compute: ComputeOptions):
+    def __init__(self, args: DecoderArgs, compute: ComputeOptions):
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
@@ -116,7 +116,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: LlamaArgs, compute: ComputeOptions):
+    def __init__(self, layer_id: int, args: DecoderArgs, compute: ComputeOptions):
         super().__init__()
         self.attention = Attention(args, compute)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, compute.mlp_tile_size)
@@ -142,7 +142,7 @@ def each_block(layers: nn.ModuleDict):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: LlamaArgs, compute: ComputeOptions | None = None):
+    def __init__(self, args: DecoderArgs, compute: ComputeOptions | None = None):
         super().__init__()
         self.args = args
         self.compute = compute = compute or ComputeOptions()

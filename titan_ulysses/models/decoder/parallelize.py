@@ -44,7 +44,7 @@ class ParallelizeOptions:
     """Stages keep their attention kernel's outputs for backward (``parallelism.ulysses_stage_keep_attention``)."""
 
 
-def parallelize_llama(
+def parallelize_decoder(
     model: Transformer, parallel_dims: ParallelDims, options: ParallelizeOptions | None = None
 ) -> Transformer:
     """Apply every parallelism to ``model`` in place (typically still on the meta device).

@@ -7,7 +7,7 @@ compute differently is refused with one line naming the field and its value.
 
 from __future__ import annotations
 
-from titan_ulysses.models.decoder.args import LlamaArgs, RopeScaling
+from titan_ulysses.models.decoder.args import DecoderArgs, RopeScaling
 from titan_ulysses.models.registry import HFConfigError, HFTensors
 from titan_ulysses.models.rope import REFUSED, ROPE_TYPES
 
@@ -76,8 +76,8 @@ def check_common(cfg: dict, act: str = "silu", biases: tuple[str, ...] = ("atten
 
 
 def base_args(cfg: dict, family: str, default_head_dim: int | None = None, sliding_window: int = 0,
-              **flags) -> LlamaArgs:
-    """LlamaArgs from the fields every Llama-shaped config.json has."""
+              **flags) -> DecoderArgs:
+    """DecoderArgs from the fields every Llama-shaped config.json has."""
     try:
         n_heads = int(cfg["num_attention_heads"])
         dim = int(cfg["hidden_size"])
@@ -85,7 +85,7 @@ def base_args(cfg: dict, family: str, default_head_dim: int | None = None, slidi
         theta, scaling = parse_rope(cfg)
         rope, _ = _rope_dict(cfg)
         rotary = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
-        return LlamaArgs(
+        return DecoderArgs(
             dim=dim, n_layers=int(cfg["num_hidden_layers"]), n_heads=n_heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads), vocab_size=int(cfg["vocab_size"]),
             ffn_hidden_dim=int(cfg["intermediate_size"]), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -104,7 +104,7 @@ def _pad(cfg: dict) -> int | None:
     return pad if isinstance(pad, int) and 0 <= pad < int(cfg["vocab_size"]) else None
 
 
-def llama_tensors(args: LlamaArgs) -> HFTensors:
+def llama_tensors(args: DecoderArgs) -> HFTensors:
     """Llama's names (Mistral, Qwen2/3 too): q/k rows RoPE-ordered, plus biases / q-k norms when present."""
     out: HFTensors = {"model.embed_tokens.weight": [("tok_embeddings.weight", 0)],
                       "model.norm.weight": [("norm.weight", 0)]}
@@ -135,7 +135,7 @@ def llama_tensors(args: LlamaArgs) -> HFTensors:
     return out
 
 
-def rope_config(args: LlamaArgs) -> dict | None:
+def rope_config(args: DecoderArgs) -> dict | None:
     """config.json's ``rope_scaling`` for ``args`` (None: plain RoPE)."""
     s = args.rope_scaling
     if s is None:
@@ -153,17 +153,17 @@ def rope_config(args: LlamaArgs) -> dict | None:
     return out
 
 
-def no_export_keys(args: LlamaArgs, config: dict) -> dict:
+def no_export_keys(args: DecoderArgs, config: dict) -> dict:
     return {}
 
 
-def parallelize_llama(model, parallel_dims, options=None):
-    from titan_ulysses.models.decoder.parallelize import parallelize_llama as parallelize
+def parallelize_decoder(model, parallel_dims, options=None):
+    from titan_ulysses.models.decoder.parallelize import parallelize_decoder as parallelize
 
     return parallelize(model, parallel_dims, options)
 
 
-def build_transformer(args: LlamaArgs, compute=None):
+def build_transformer(args: DecoderArgs, compute=None):
     from titan_ulysses.models.decoder.model import Transformer
 
     return Transformer(args, compute)

@@ -11,10 +11,10 @@ logits; it runs on the attention backends that softcap (``registry.check_compute
 from __future__ import annotations
 
 from titan_ulysses.models.families.common import (
-    base_args, check_common, llama_tensors, parallelize_llama, parse_rope, refuse,
+    base_args, check_common, llama_tensors, parallelize_decoder, parse_rope, refuse,
 )
 from titan_ulysses.models.gemma.args import GemmaArgs
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.registry import HFConfigError, HFTensors, ModelFamily, register
 
 ACT = "gelu_pytorch_tanh"
@@ -37,7 +37,7 @@ def _rope_of(cfg: dict, layer_type: str, theta_key: str, default_theta: float):
         raise HFConfigError(f"{layer_type}: {e}") from e
 
 
-def args_from_config(cfg: dict) -> LlamaArgs:
+def args_from_config(cfg: dict) -> DecoderArgs:
     if cfg.get("model_type") == "gemma3_text":
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if cfg.get(key):
@@ -72,7 +72,7 @@ def args_from_config(cfg: dict) -> LlamaArgs:
         raise HFConfigError(str(e)) from e
 
 
-def hf_tensors(args: LlamaArgs) -> HFTensors:
+def hf_tensors(args: DecoderArgs) -> HFTensors:
     table = llama_tensors(args)
     for i in range(args.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
@@ -112,6 +112,6 @@ def build(args: GemmaArgs, compute=None):
 
 
 register(ModelFamily("gemma3_text", "Gemma3ForCausalLM", args_from_config, hf_tensors, export_config, build,
-                     parallelize_llama, "linear", GemmaArgs))
+                     parallelize_decoder, "linear", GemmaArgs))
 register(ModelFamily("gemma2", "Gemma2ForCausalLM", args_from_config, hf_tensors, export_config, build,
-                     parallelize_llama, "", GemmaArgs))
+                     parallelize_decoder, "", GemmaArgs))

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from titan_ulysses.models.families.common import (
-    base_args, build_transformer, check_common, llama_tensors, parallelize_llama,
+    base_args, build_transformer, check_common, llama_tensors, parallelize_decoder,
 )
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.registry import ModelFamily, register
 
 
-def args_from_config(cfg: dict) -> LlamaArgs:
+def args_from_config(cfg: dict) -> DecoderArgs:
     check_common(cfg)
     return base_args(cfg, "llama")
 
 
-def export_config(args: LlamaArgs, config: dict) -> dict:
+def export_config(args: DecoderArgs, config: dict) -> dict:
     return {"attention_bias": False, "mlp_bias": False}
 
 
 register(ModelFamily("llama", "LlamaForCausalLM", args_from_config, llama_tensors, export_config,
-                     build_transformer, parallelize_llama, "llama3"))
+                     build_transformer, parallelize_decoder, "llama3"))

@@ -7,20 +7,20 @@ last ``sliding_window`` keys, itself included, passed as ``window=`` to the atte
 from __future__ import annotations
 
 from titan_ulysses.models.families.common import (
-    base_args, build_transformer, check_common, llama_tensors, parallelize_llama,
+    base_args, build_transformer, check_common, llama_tensors, parallelize_decoder,
 )
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.registry import ModelFamily, register
 
 
-def args_from_config(cfg: dict) -> LlamaArgs:
+def args_from_config(cfg: dict) -> DecoderArgs:
     check_common(cfg)
     return base_args(cfg, "mistral", sliding_window=cfg.get("sliding_window", 4096) or 0)  # MistralConfig's default
 
 
-def export_config(args: LlamaArgs, config: dict) -> dict:
+def export_config(args: DecoderArgs, config: dict) -> dict:
     return {"sliding_window": args.sliding_window or None}
 
 
 register(ModelFamily("mistral", "MistralForCausalLM", args_from_config, llama_tensors, export_config,
-                     build_transformer, parallelize_llama, "yarn"))
+                     build_transformer, parallelize_decoder, "yarn"))

@@ -8,13 +8,13 @@ Phi-4-mini rotates the first ``partial_rotary_factor`` of each head only.
 from __future__ import annotations
 
 from titan_ulysses.models.families.common import (
-    base_args, build_transformer, check_common, llama_tensors, parallelize_llama,
+    base_args, build_transformer, check_common, llama_tensors, parallelize_decoder,
 )
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.registry import HFTensors, ModelFamily, register
 
 
-def args_from_config(cfg: dict) -> LlamaArgs:
+def args_from_config(cfg: dict) -> DecoderArgs:
     check_common(cfg)
     # Phi3Config's class default, which transformers prefers to rope_scaling's for longrope
     cfg = {**cfg, "original_max_position_embeddings": cfg.get("original_max_position_embeddings") or 4096,
@@ -22,7 +22,7 @@ def args_from_config(cfg: dict) -> LlamaArgs:
     return base_args(cfg, "phi3", sliding_window=cfg.get("sliding_window") or 0)
 
 
-def hf_tensors(args: LlamaArgs) -> HFTensors:
+def hf_tensors(args: DecoderArgs) -> HFTensors:
     table = llama_tensors(args)
     for i in range(args.n_layers):
         theirs = f"model.layers.{i}."
@@ -33,7 +33,7 @@ def hf_tensors(args: LlamaArgs) -> HFTensors:
     return table
 
 
-def export_config(args: LlamaArgs, config: dict) -> dict:
+def export_config(args: DecoderArgs, config: dict) -> dict:
     out = {"sliding_window": args.sliding_window or None, "partial_rotary_factor": args.rotary_fraction}
     if args.rope_scaling is not None:  # transformers prefers this top-level key over rope_scaling's
         out["original_max_position_embeddings"] = args.rope_scaling.original_max_position_embeddings
@@ -41,4 +41,4 @@ def export_config(args: LlamaArgs, config: dict) -> dict:
 
 
 register(ModelFamily("phi3", "Phi3ForCausalLM", args_from_config, hf_tensors, export_config,
-                     build_transformer, parallelize_llama))
+                     build_transformer, parallelize_decoder))

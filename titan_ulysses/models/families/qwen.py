@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from titan_ulysses.models.families.common import (
-    base_args, build_transformer, check_common, llama_tensors, parallelize_llama,
+    base_args, build_transformer, check_common, llama_tensors, parallelize_decoder,
 )
-from titan_ulysses.models.decoder.args import LlamaArgs
+from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.registry import HFConfigError, ModelFamily, register
 
 
@@ -20,27 +20,27 @@ def _check_window(cfg: dict) -> None:
                             f"model_type {cfg.get('model_type')!r}")
 
 
-def qwen2_args(cfg: dict) -> LlamaArgs:
+def qwen2_args(cfg: dict) -> DecoderArgs:
     check_common(cfg, biases=("mlp_bias",))
     _check_window(cfg)
     return base_args(cfg, "qwen2", qkv_bias=True)
 
 
-def qwen3_args(cfg: dict) -> LlamaArgs:
+def qwen3_args(cfg: dict) -> DecoderArgs:
     check_common(cfg)
     _check_window(cfg)
     return base_args(cfg, "qwen3", default_head_dim=128, qk_norm=True)
 
 
-def qwen2_export(args: LlamaArgs, config: dict) -> dict:
+def qwen2_export(args: DecoderArgs, config: dict) -> dict:
     return {"use_sliding_window": False}
 
 
-def qwen3_export(args: LlamaArgs, config: dict) -> dict:
+def qwen3_export(args: DecoderArgs, config: dict) -> dict:
     return {"use_sliding_window": False, "attention_bias": False}
 
 
 register(ModelFamily("qwen2", "Qwen2ForCausalLM", qwen2_args, llama_tensors, qwen2_export,
-                     build_transformer, parallelize_llama, "yarn"))
+                     build_transformer, parallelize_decoder, "yarn"))
 register(ModelFamily("qwen3", "Qwen3ForCausalLM", qwen3_args, llama_tensors, qwen3_export,
-                     build_transformer, parallelize_llama, "yarn"))
+                     build_transformer, parallelize_decoder, "yarn"))

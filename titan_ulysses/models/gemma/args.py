@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titan_ulysses.models.decoder.args import LlamaArgs, RopeScaling
+from titan_ulysses.models.decoder.args import DecoderArgs, RopeScaling
 
 
 @dataclass
-class GemmaArgs(LlamaArgs):
+class GemmaArgs(DecoderArgs):
     layer_types: list[str] = field(default_factory=list)
     """Per layer "sliding_attention" (window ``sliding_window``, local RoPE) or "full_attention"."""
     local_rope_theta: float = 10000.0
