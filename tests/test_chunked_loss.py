@@ -55,7 +55,7 @@ def test_sharded_model_with_chunked_loss_matches_reference():
 
 
 def test_tiled_mlp_matches_plain_and_saves_only_its_input():
-    from titan_ulysses.models.decoder.model import FeedForward
+    from titan_ulysses.models.decoder.feed_forward import FeedForward
 
     torch.manual_seed(0)
     plain, tiled = FeedForward(16, 48), FeedForward(16, 48, tile_size=5)

@@ -18,9 +18,10 @@ from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import load_full_state_dict
 from titan_ulysses.models.decoder.args import RopeScaling
-from titan_ulysses.models.flavors import get_flavor
-from titan_ulysses.models.decoder.model import Transformer, apply_rope
+from titan_ulysses.models.decoder.attention import apply_rope
+from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
+from titan_ulysses.models.flavors import get_flavor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {

@@ -7,8 +7,10 @@ import torch
 
 from titan_ulysses.metrics.flops import flops_per_token
 from titan_ulysses.models.decoder.args import RopeScaling
+from titan_ulysses.models.decoder.attention import apply_rope
+from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.models.flavors import FLAVORS, get_flavor
-from titan_ulysses.models.decoder.model import Transformer, apply_rope, rope_inv_freq
+from titan_ulysses.models.rope import rope_inv_freq
 from titan_ulysses.ops.attention import cu_seqlens_from_document_ids
 from titan_ulysses.optim import wsd_factor
 

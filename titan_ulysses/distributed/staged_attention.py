@@ -42,7 +42,7 @@ from titan_ulysses.distributed.heads import HeadPlan, head_plan, is_even
 from titan_ulysses.distributed.stage_keep import stage_contexts
 from titan_ulysses.distributed.ulysses import UlyssesAttention, head_to_seq, head_to_seq_uneven, seq_to_head, \
     seq_to_head_uneven
-from titan_ulysses.models.decoder.model import apply_rope
+from titan_ulysses.models.decoder.attention import apply_rope
 
 __all__ = ["StagePlan", "apply_head_stages", "check_head_stages", "stage_plans"]
 

@@ -96,3 +96,8 @@ def rope_frequencies(dim: int, theta: float, scaling: RopeScaling | None,
         return default_inv_freq(dim, theta).float(), 1.0
     inv_freq, attention_factor = ROPE_TYPES[scaling.rope_type](dim, theta, scaling, long)
     return inv_freq.float(), attention_factor
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim / 2]`` (short factors for longrope)."""
+    return rope_frequencies(head_dim, theta, scaling)[0]

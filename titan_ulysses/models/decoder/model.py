@@ -1,7 +1,8 @@
-"""Llama 3: RMSNorm, RoPE (Llama 3.1 scaling), GQA attention, SwiGLU.
+"""The decoder: embeddings, RoPE tables, the blocks (``block.py``), the final norm and the output (with the loss).
 
-Qwen3 adds an RMSNorm per q/k head before RoPE (``args.qk_norm``) and a head_dim of its
-own (``args.head_dim_override``); Qwen2/2.5 adds q/k/v biases (``args.qkv_bias``).
+Llama 3 as it is: RMSNorm, RoPE (Llama 3.1 scaling), GQA attention, SwiGLU. Qwen3 adds an
+RMSNorm per q/k head before RoPE (``args.qk_norm``) and a head_dim of its own
+(``args.head_dim_override``); Qwen2/2.5 adds q/k/v biases (``args.qkv_bias``).
 
 Nothing here is distributed. Parallelism is applied from outside
 (``parallelize.py``): tensor parallelism slices the projections (so head counts
@@ -18,127 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.decoder.args import DecoderArgs, RopeScaling
+from titan_ulysses.models.decoder.args import DecoderArgs
+from titan_ulysses.models.decoder.block import TransformerBlock, each_block
+from titan_ulysses.models.decoder.norm import RMSNorm
 from titan_ulysses.models.rope import rope_frequencies
-from titan_ulysses.ops.attention import build_attention
 from titan_ulysses.ops.loss import linear_cross_entropy_sum
-from titan_ulysses.ops.norm import rms_norm
-from titan_ulysses.ops.tiled import tiled_apply
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """RoPE inverse frequencies ``[head_dim / 2]`` (short factors for longrope); see ``models/rope.py``."""
-    return rope_frequencies(head_dim, theta, scaling)[0]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs of ``x: [B, S, H, Dh]`` by the angles of ``cos, sin: [B or 1, S, 1, Dr/2]``.
-
-    With ``Dr < Dh`` (partial rotary) the features past ``Dr`` pass through unrotated.
-    """
-    rotary = 2 * cos.shape[-1]
-    if rotary < x.shape[-1]:
-        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
-    x_ = x.float().unflatten(-1, (-1, 2))  # [B, S, H, Dh/2, 2]
-    x0, x1 = x_[..., 0], x_[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):  # computed in fp32; keeps x and one fp32 scale per token (ops/norm.py)
-        return rms_norm(x, self.weight, self.eps)
-
-    def reset_parameters(self):
-        nn.init.ones_(self.weight)
-
-
-class Attention(nn.Module):
-    def __init__(self, args: DecoderArgs, compute: ComputeOptions):
-        super().__init__()
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        # Qwen3: one RMSNorm over head_dim shared by all q heads (and one by all k heads)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.inner_attention = build_attention(compute.attn_backend, compute.sdpa_backends)
-        # only a windowed layer passes window= (the fixed inner_attention interface)
-        self.attention_kwargs = {"window": args.sliding_window} if args.sliding_window else {}
-
-    def forward(self, x, rope, attention_mask):
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim)  # [B, S, Hq, Dh]
-        k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, Dh]
-        v = self.wv(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, Dh]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = self.inner_attention(q, k, v, attention_mask, **self.attention_kwargs)  # [B, S, Hq, Dh]
-        return self.wo(out.reshape(b, s, -1))
-
-    def init_weights(self, std: float):
-        for w in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(w.weight, std=0.02)
-            if w.bias is not None:
-                nn.init.zeros_(w.bias)
-        nn.init.trunc_normal_(self.wo.weight, std=std)
-        for norm in (self.q_norm, self.k_norm):
-            if norm is not None:
-                norm.reset_parameters()
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int, tile_size: int = 0):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.tile_size = tile_size
-
-    def swiglu(self, x):  # [B, S, D] -> [B, S, D] via [B, S, ffn_hidden]
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def forward(self, x):
-        return tiled_apply(self, self.swiglu, x, self.tile_size)
-
-    def init_weights(self, std: float):
-        nn.init.trunc_normal_(self.w1.weight, std=0.02)
-        for w in (self.w2, self.w3):
-            nn.init.trunc_normal_(w.weight, std=std)
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: DecoderArgs, compute: ComputeOptions):
-        super().__init__()
-        self.attention = Attention(args, compute)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, compute.mlp_tile_size)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        # depth-scaled init of the projections that write into the residual stream
-        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
-
-    def forward(self, x, rope, attention_mask=None):  # [B, S, D]
-        h = x + self.attention(self.attention_norm(x), rope, attention_mask)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-    def init_weights(self):
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
-
-
-def each_block(layers: nn.ModuleDict):
-    """The units forward runs in turn, each ``(h [B, S, D], rope, attention_mask) -> h``: every block."""
-    return layers.values()
 
 
 class Transformer(nn.Module):

@@ -21,7 +21,9 @@ from torch import nn
 
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.gemma.args import GemmaArgs
-from titan_ulysses.models.decoder.model import Attention, FeedForward, Transformer
+from titan_ulysses.models.decoder.attention import Attention
+from titan_ulysses.models.decoder.feed_forward import FeedForward
+from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.models.rope import rope_frequencies
 from titan_ulysses.ops.loss import cross_entropy_sum
 from titan_ulysses.ops.tiled import tiled_apply
