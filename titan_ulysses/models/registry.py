@@ -1,8 +1,9 @@
 """Model families keyed by Hugging Face ``model_type``: everything that differs between them in one entry.
 
-A family says how config.json becomes model arguments, which tensors its safetensors
-hold (names, fused projections, RoPE-ordered rows), what its exported config.json adds,
-which module builds it and how it is laid out on the mesh. The trainer, the memory
+Every family is the decoder of ``models/decoder/``. A family says only what differs: how
+config.json becomes its arguments, which tensors its safetensors hold (names, fused
+projections, RoPE-ordered rows), what its exported config.json adds, what its decoder does
+differently (``DecoderSpec``: norms, embedding scale, the feed-forward). The trainer, the memory estimate and
 tracker, HF load and export ask :func:`get_family` / :func:`build_model` /
 :func:`parallelize_model`; a new family is one file under ``families/`` and one line in
 ``families/__init__.py``.
@@ -16,6 +17,7 @@ from typing import Callable
 from torch import nn
 
 from titan_ulysses.models.decoder.args import DecoderArgs
+from titan_ulysses.models.decoder.spec import DecoderSpec
 
 # Hugging Face name -> the parts of it in order: (our name, heads whose rows are RoPE-ordered or 0).
 # One part: a renamed tensor; several: a fused projection (rows concatenated in this order).
@@ -38,13 +40,10 @@ class ModelFamily:
     """The Hugging Face tensors of a model of these arguments and where each comes from."""
     export_config: Callable[[DecoderArgs, dict], dict]
     """The family's own config.json keys, written over the shared ones by export."""
-    build: Callable[..., nn.Module]
-    """``(args, ComputeOptions | None) ->`` the (non-distributed) module; under ``torch.device("meta")``
-    for big models."""
-    parallelize: Callable
-    """``(model, parallel_dims, ParallelizeOptions) -> model``: TP plan, cp, Ulysses, AC, compile, FSDP."""
     extension: str = ""
     """RoPE method its context extension uses when config.json has none (models/extension.py); "": none."""
+    decoder: DecoderSpec = DecoderSpec()
+    """What its decoder does differently from Llama's beyond config.json's numbers (Llama's: none)."""
     args_class: type = DecoderArgs
     """The dataclass of its model arguments (a checkpoint's model_args.json is read back into it)."""
 
@@ -66,8 +65,11 @@ def get_family(model_type: str) -> ModelFamily:
 
 
 def build_model(args: DecoderArgs, compute=None) -> nn.Module:
-    """The module of ``args.family`` (Llama flavors: "llama"), computing as ``compute`` (ComputeOptions) says."""
-    return get_family(args.family).build(args, compute)
+    """The (non-distributed) decoder of ``args.family`` (Llama flavors: "llama"), computing as ``compute``
+    (ComputeOptions) says; under ``torch.device("meta")`` for big models."""
+    from titan_ulysses.models.decoder.model import Transformer
+
+    return Transformer(args, compute, get_family(args.family).decoder)
 
 
 def check_compute(args: DecoderArgs, attn_backend: str, sdpa_backends: str = "auto") -> None:
@@ -78,7 +80,7 @@ def check_compute(args: DecoderArgs, attn_backend: str, sdpa_backends: str = "au
     backend = get_backend(attn_backend)
     needs = [(cap, what) for cap, what, on in (
         ("window", f"sliding_window {args.sliding_window}", args.sliding_window),
-        ("softcap", f"attn_logit_softcapping {getattr(args, 'attn_softcap', 0)}", getattr(args, "attn_softcap", 0)),
+        ("softcap", f"attn_logit_softcapping {args.attn_softcap}", args.attn_softcap),
     ) if on]
     for cap, what in needs:
         if not getattr(backend, cap):
@@ -88,5 +90,7 @@ def check_compute(args: DecoderArgs, attn_backend: str, sdpa_backends: str = "au
 
 
 def parallelize_model(model: nn.Module, parallel_dims, options=None) -> nn.Module:
-    """Lay ``model`` out on the mesh the way its family does."""
-    return get_family(model.args.family).parallelize(model, parallel_dims, options)
+    """Lay ``model`` out on the mesh (``ParallelizeOptions``): the decoder's fixed order, every family alike."""
+    from titan_ulysses.models.decoder.parallelize import parallelize_decoder
+
+    return parallelize_decoder(model, parallel_dims, options)

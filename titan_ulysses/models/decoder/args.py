@@ -68,7 +68,21 @@ class DecoderArgs:
     pad_token_id: int | None = None
     """Embedding row that gets no gradient (Hugging Face builds its embedding with this padding_idx)."""
     sliding_window: int = 0
-    """Keys a query sees (its own included) on every layer, Hugging Face's ``sliding_window``; 0: all."""
+    """Keys a query sees (its own included) on a sliding layer, Hugging Face's ``sliding_window``; 0: all."""
+    layer_types: list[str] = field(default_factory=list)
+    """Per layer "sliding_attention" (``sliding_window``, the local RoPE when set) or "full_attention" (Gemma);
+    empty: every layer sliding when ``sliding_window`` is set (Mistral), else full."""
+    local_rope_theta: float = 0.0
+    """RoPE base of the sliding layers (``rope_theta`` / ``rope_scaling`` are the full layers'); 0: theirs."""
+    local_rope_scaling: RopeScaling | None = None
+    """RoPE scaling of the sliding layers, with ``local_rope_theta``."""
+    query_pre_attn_scalar: float = 0.0
+    """Attention scores scaled by query_pre_attn_scalar ** -0.5 (Gemma); 0: head_dim ** -0.5."""
+    attn_softcap: float = 0.0
+    """Scores -> attn_softcap * tanh(scores / attn_softcap) before the mask (Gemma 2); 0: off."""
+    final_softcap: float = 0.0
+    """Logits -> final_softcap * tanh(logits / final_softcap) (Gemma 2); 0: off."""
+
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads
@@ -78,6 +92,17 @@ class DecoderArgs:
         """Leading features of each head that RoPE rotates (the rest pass through)."""
         return int(self.head_dim * self.rotary_fraction)
 
+    @property
+    def local_rope(self) -> bool:
+        """Whether the sliding layers have a RoPE of their own."""
+        return bool(self.local_rope_theta) and "sliding_attention" in self.layer_types
+
+    def layer_type(self, layer_id: int) -> str:
+        """"sliding_attention" or "full_attention": the keys and the RoPE of layer ``layer_id``."""
+        if self.layer_types:
+            return self.layer_types[layer_id]
+        return "sliding_attention" if self.sliding_window else "full_attention"
+
     def __post_init__(self) -> None:
         if not self.head_dim_override and self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
@@ -85,10 +110,17 @@ class DecoderArgs:
             raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2 or self.rotary_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} (rotary {self.rotary_dim}) must be even for RoPE")
+        if self.layer_types and len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
+        bad = [t for t in self.layer_types if t not in ("sliding_attention", "full_attention")]
+        if bad:
+            raise ValueError(f"layer_types contains {bad[0]!r} (sliding_attention or full_attention)")
 
     def num_params(self) -> int:
-        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        attn += self.qkv_bias * self.head_dim * (self.n_heads + 2 * self.n_kv_heads) + self.qk_norm * 2 * self.head_dim
-        mlp = 3 * self.dim * self.ffn_hidden_dim
-        emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * (attn + mlp + 2 * self.dim) + emb + self.dim
+        """Parameters of the model these arguments build (its family's decoder, counted on the meta device)."""
+        import torch
+
+        from titan_ulysses.models.registry import build_model
+
+        with torch.device("meta"):
+            return sum(p.numel() for p in build_model(self).parameters())

@@ -30,19 +30,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, args: DecoderArgs, compute: ComputeOptions):
+    def __init__(self, args: DecoderArgs, compute: ComputeOptions, layer_type: str = "full_attention",
+                 norm_offset: float = 0.0):
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        # Qwen3: one RMSNorm over head_dim shared by all q heads (and one by all k heads)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        # Qwen3, Gemma 3: one RMSNorm over head_dim shared by all q heads (and one by all k heads)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, norm_offset) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, norm_offset) if args.qk_norm else None
         self.inner_attention = build_attention(compute.attn_backend, compute.sdpa_backends)
-        # only a windowed layer passes window= (the fixed inner_attention interface)
-        self.attention_kwargs = {"window": args.sliding_window} if args.sliding_window else {}
+        # only what a layer needs is passed (the fixed inner_attention interface; registry.check_compute
+        # refuses a backend without the capability)
+        self.attention_kwargs = {}
+        if args.query_pre_attn_scalar:
+            self.attention_kwargs["scale"] = args.query_pre_attn_scalar ** -0.5
+        if args.attn_softcap:
+            self.attention_kwargs["softcap"] = args.attn_softcap
+        if layer_type == "sliding_attention" and args.sliding_window:
+            self.attention_kwargs["window"] = args.sliding_window
 
     def forward(self, x, rope, attention_mask):
         b, s, _ = x.shape

@@ -1,4 +1,8 @@
-"""The decoder's block: pre-norm attention and feed-forward around the residual stream."""
+"""The decoder's block: attention and feed-forward around the residual stream, each after its norm.
+
+With ``DecoderSpec.sandwich_norms`` (Gemma) each also passes a norm of its own before it joins
+the residual. The feed-forward comes from the family's builder (``feed_forward.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,27 +11,37 @@ from torch import nn
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.decoder.attention import Attention
-from titan_ulysses.models.decoder.feed_forward import FeedForward
 from titan_ulysses.models.decoder.norm import RMSNorm
+from titan_ulysses.models.decoder.spec import DecoderSpec
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: DecoderArgs, compute: ComputeOptions):
+    def __init__(self, layer_id: int, args: DecoderArgs, compute: ComputeOptions, spec: DecoderSpec):
         super().__init__()
-        self.attention = Attention(args, compute)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, compute.mlp_tile_size)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.layer_type = args.layer_type(layer_id)
+        """Which of the model's RoPE tables (``Transformer.rope``) and keys this layer uses."""
+        offset = spec.norm_offset
+        self.attention = Attention(args, compute, self.layer_type, offset)
+        self.feed_forward = spec.feed_forward(layer_id, args, compute)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, offset)
+        self.post_attention_norm = RMSNorm(args.dim, args.norm_eps, offset) if spec.sandwich_norms else None
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, offset)
+        self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps, offset) if spec.sandwich_norms else None
         # depth-scaled init of the projections that write into the residual stream
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
     def forward(self, x, rope, attention_mask=None):  # [B, S, D]
-        h = x + self.attention(self.attention_norm(x), rope, attention_mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        if isinstance(rope, dict):  # sliding layers with a RoPE of their own
+            rope = rope[self.layer_type]
+        a = self.attention(self.attention_norm(x), rope, attention_mask)  # [B, S, D]
+        h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
+        f = self.feed_forward(self.ffn_norm(h))  # [B, S, D]
+        return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
 
     def init_weights(self):
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
+        for norm in (self.attention_norm, self.post_attention_norm, self.ffn_norm, self.post_ffn_norm):
+            if norm is not None:
+                norm.reset_parameters()
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 

@@ -1,8 +1,9 @@
 """The decoder: embeddings, RoPE tables, the blocks (``block.py``), the final norm and the output (with the loss).
 
-Llama 3 as it is: RMSNorm, RoPE (Llama 3.1 scaling), GQA attention, SwiGLU. Qwen3 adds an
-RMSNorm per q/k head before RoPE (``args.qk_norm``) and a head_dim of its own
-(``args.head_dim_override``); Qwen2/2.5 adds q/k/v biases (``args.qkv_bias``).
+Llama 3 as it is: RMSNorm, RoPE (Llama 3.1 scaling), GQA attention, SwiGLU. What other
+families change is an argument (``args.py``: Qwen3's per-head q/k norm and head_dim, Qwen2's
+q/k/v biases, windows, Gemma's layer types, local RoPE, attention scale and softcaps) or part
+of their ``DecoderSpec`` (``spec.py``: Gemma's norms, embedding scale and GeGLU).
 
 Nothing here is distributed. Parallelism is applied from outside
 (``parallelize.py``): tensor parallelism slices the projections (so head counts
@@ -22,24 +23,40 @@ from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.decoder.block import TransformerBlock, each_block
 from titan_ulysses.models.decoder.norm import RMSNorm
+from titan_ulysses.models.decoder.spec import DecoderSpec
 from titan_ulysses.models.rope import rope_frequencies
-from titan_ulysses.ops.loss import linear_cross_entropy_sum
+from titan_ulysses.ops.loss import cross_entropy_sum, linear_cross_entropy_sum
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float):
+    angles = positions[..., None].float() * inv_freq  # [B, S, Dr/2]
+    cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
+    if factor != 1.0:  # yarn / longrope scale both (hence q.k by its square)
+        cos, sin = cos * factor, sin * factor
+    return cos, sin
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: DecoderArgs, compute: ComputeOptions | None = None):
+    def __init__(self, args: DecoderArgs, compute: ComputeOptions | None = None, spec: DecoderSpec | None = None):
+        """``spec``: what the family does differently (None: ``args.family``'s, from ``models/registry.py``)."""
         super().__init__()
-        self.args = args
+        if spec is None:
+            from titan_ulysses.models.registry import get_family
+
+            spec = get_family(args.family).decoder
+        self.args, self.spec = args, spec
         self.compute = compute = compute or ComputeOptions()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, padding_idx=args.pad_token_id)
         # ModuleDict keeps fully-qualified names stable when blocks are wrapped or dropped.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, compute) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, compute, spec) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps, spec.norm_offset)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         inv_freq, self.rope_attention_factor = rope_frequencies(args.rotary_dim, args.rope_theta, args.rope_scaling)
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         self.longrope = args.rope_scaling is not None and args.rope_scaling.rope_type == "longrope"
         self.register_buffer("rope_long_inv_freq", self._long_inv_freq(), persistent=False)
+        local, self.local_attention_factor = self._local_inv_freq()
+        self.register_buffer("rope_local_inv_freq", local, persistent=False)
         self.layer_units = each_block
         """``self.layers`` -> what forward runs in turn (a plain attribute, not a module: no parameter name
         changes); activation checkpointing in groups of blocks replaces it (``distributed/activation_checkpoint.py``)."""
@@ -52,8 +69,15 @@ class Transformer(nn.Module):
         return rope_frequencies(args.rotary_dim, args.rope_theta, args.rope_scaling, long=True)[0] \
             if self.longrope else None
 
+    def _local_inv_freq(self) -> tuple[torch.Tensor | None, float]:
+        args = self.args
+        if not args.local_rope:
+            return None, 1.0
+        return rope_frequencies(args.rotary_dim, args.local_rope_theta, args.local_rope_scaling)
+
     def rope(self, positions: torch.Tensor):
-        """cos, sin of ``positions`` ([S] or [B, S], global token indices) as [B or 1, S, 1, Dr/2] fp32."""
+        """cos, sin of ``positions`` ([S] or [B, S], global token indices) as [B or 1, S, 1, Dr/2] fp32;
+        with a local RoPE (``args.local_rope``), one pair per layer type: ``{"full_attention": ..., "sliding_attention": ...}``."""
         if positions.dim() == 1:
             positions = positions[None]
         inv_freq = self.rope_inv_freq
@@ -63,11 +87,11 @@ class Transformer(nn.Module):
                 inv_freq = self.rope_long_inv_freq if self.rope_seq_len > original else inv_freq
             else:  # like transformers: a traceable choice on the largest position
                 inv_freq = torch.where(positions.max() + 1 > original, self.rope_long_inv_freq, inv_freq)
-        angles = positions[..., None].float() * inv_freq  # [B, S, Dr/2]
-        cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
-        if self.rope_attention_factor != 1.0:  # yarn / longrope scale both (hence q.k by its square)
-            cos, sin = cos * self.rope_attention_factor, sin * self.rope_attention_factor
-        return cos, sin
+        full = _cos_sin(positions, inv_freq, self.rope_attention_factor)
+        if self.rope_local_inv_freq is None:
+            return full
+        return {"full_attention": full,
+                "sliding_attention": _cos_sin(positions, self.rope_local_inv_freq, self.local_attention_factor)}
 
     def forward(self, tokens, positions=None, attention_mask=None, labels=None):
         """``tokens: [B, S]`` -> logits ``[B, S, vocab]``, or with ``labels`` the summed cross-entropy.
@@ -90,12 +114,19 @@ class Transformer(nn.Module):
 
     def head(self, h, weight, labels=None):
         """Logits ``[B, S, vocab]`` of the final hidden states, or with ``labels`` the summed loss."""
+        if self.args.final_softcap:  # all the logits at once (no chunking with a softcap)
+            c = self.args.final_softcap
+            logits = c * torch.tanh(F.linear(h, weight) / c)  # [B, S, vocab]
+            return logits if labels is None else cross_entropy_sum(logits, labels)
         if labels is not None:
             return linear_cross_entropy_sum(h, weight, labels, self.compute.loss_chunk_size)
         return F.linear(h, weight)  # [B, S, vocab]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens)  # [B, S, D]
+        if self.spec.scale_embeddings:  # the scale rounded to h's dtype, as Hugging Face's Gemma
+            h = h * torch.tensor(self.args.dim ** 0.5, dtype=h.dtype)
+        return h
 
     def init_buffers(self, buffer_device: torch.device | None = None):
         """(Re)compute the non-persistent RoPE frequencies (garbage after ``to_empty``)."""
@@ -104,6 +135,8 @@ class Transformer(nn.Module):
         self.rope_inv_freq = rope_frequencies(args.rotary_dim, args.rope_theta, args.rope_scaling)[0].to(device)
         if self.longrope:
             self.rope_long_inv_freq = self._long_inv_freq().to(device)
+        if args.local_rope:
+            self.rope_local_inv_freq = self._local_inv_freq()[0].to(device)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None):

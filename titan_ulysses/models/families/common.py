@@ -156,14 +156,3 @@ def rope_config(args: DecoderArgs) -> dict | None:
 def no_export_keys(args: DecoderArgs, config: dict) -> dict:
     return {}
 
-
-def parallelize_decoder(model, parallel_dims, options=None):
-    from titan_ulysses.models.decoder.parallelize import parallelize_decoder as parallelize
-
-    return parallelize(model, parallel_dims, options)
-
-
-def build_transformer(args: DecoderArgs, compute=None):
-    from titan_ulysses.models.decoder.model import Transformer
-
-    return Transformer(args, compute)

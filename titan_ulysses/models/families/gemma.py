@@ -1,4 +1,9 @@
-"""Gemma 3 text (``gemma3_text``) and Gemma 2 (``gemma2``): their own block (models/gemma/model.py).
+"""Gemma 3 text (``gemma3_text``) and Gemma 2 (``gemma2``): the decoder with Gemma's ``DecoderSpec``.
+
+Gemma's block: RMSNorm scales by ``1 + w`` (weights start at zero); four norms per block
+(before and after attention, before and after the MLP); GeGLU with tanh-approximated GELU;
+embeddings multiplied by ``sqrt(dim)`` in their dtype, tied to the output. Gemma 3 RMS-normalises
+q and k per head; scores are scaled by ``query_pre_attn_scalar ** -0.5``.
 
 Per ``layer_types`` (or the older ``sliding_window_pattern``, default 6: every sixth layer
 global) a layer is "sliding_attention" (window ``sliding_window``, RoPE base
@@ -10,14 +15,18 @@ logits; it runs on the attention backends that softcap (``registry.check_compute
 
 from __future__ import annotations
 
-from titan_ulysses.models.families.common import (
-    base_args, check_common, llama_tensors, parallelize_decoder, parse_rope, refuse,
-)
-from titan_ulysses.models.gemma.args import GemmaArgs
+import dataclasses
+import functools
+
 from titan_ulysses.models.decoder.args import DecoderArgs
+from titan_ulysses.models.decoder.feed_forward import dense
+from titan_ulysses.models.decoder.spec import DecoderSpec
+from titan_ulysses.models.families.common import base_args, check_common, llama_tensors, parse_rope, refuse
 from titan_ulysses.models.registry import HFConfigError, HFTensors, ModelFamily, register
 
 ACT = "gelu_pytorch_tanh"
+GEMMA = DecoderSpec(feed_forward=functools.partial(dense, activation="gelu_tanh"), norm_offset=1.0,
+                    sandwich_norms=True, scale_embeddings=True)
 
 
 def _rope_of(cfg: dict, layer_type: str, theta_key: str, default_theta: float):
@@ -65,9 +74,9 @@ def args_from_config(cfg: dict) -> DecoderArgs:
     softcaps = {"attn_softcap": float(cfg.get("attn_logit_softcapping", 50.0 if gemma2 else 0) or 0),
                 "final_softcap": float(cfg.get("final_logit_softcapping", 30.0 if gemma2 else 0) or 0)}
     try:
-        return GemmaArgs(**{**vars(args), "rope_theta": theta, "rope_scaling": scaling, "layer_types": list(layer_types),
-                            "local_rope_theta": local_theta, "local_rope_scaling": local_scaling,
-                            "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)), **softcaps})
+        return dataclasses.replace(args, rope_theta=theta, rope_scaling=scaling, layer_types=list(layer_types),
+                                   local_rope_theta=local_theta, local_rope_scaling=local_scaling,
+                                   query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)), **softcaps)
     except (TypeError, ValueError) as e:
         raise HFConfigError(str(e)) from e
 
@@ -87,10 +96,10 @@ def _number(x: float):
     return int(x) if float(x).is_integer() else x  # Gemma3TextConfig types it int
 
 
-def export_config(args: GemmaArgs, config: dict) -> dict:
+def export_config(args: DecoderArgs, config: dict) -> dict:
     from titan_ulysses.models.families.common import rope_config
 
-    local = rope_config(GemmaArgs(**{**vars(args), "rope_scaling": args.local_rope_scaling}))
+    local = rope_config(dataclasses.replace(args, rope_scaling=args.local_rope_scaling))
     full = rope_config(args)
     return {
         "_remove": ("hidden_act", "rope_theta", "rope_scaling", "rope_local_base_freq", "sliding_window_pattern"),
@@ -105,13 +114,6 @@ def export_config(args: GemmaArgs, config: dict) -> dict:
     }
 
 
-def build(args: GemmaArgs, compute=None):
-    from titan_ulysses.models.gemma.model import GemmaTransformer
-
-    return GemmaTransformer(args, compute)
-
-
-register(ModelFamily("gemma3_text", "Gemma3ForCausalLM", args_from_config, hf_tensors, export_config, build,
-                     parallelize_decoder, "linear", GemmaArgs))
-register(ModelFamily("gemma2", "Gemma2ForCausalLM", args_from_config, hf_tensors, export_config, build,
-                     parallelize_decoder, "", GemmaArgs))
+register(ModelFamily("gemma3_text", "Gemma3ForCausalLM", args_from_config, hf_tensors, export_config, "linear",
+                     GEMMA))
+register(ModelFamily("gemma2", "Gemma2ForCausalLM", args_from_config, hf_tensors, export_config, "", GEMMA))

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from titan_ulysses.models.families.common import (
-    base_args, build_transformer, check_common, llama_tensors, parallelize_decoder,
-)
 from titan_ulysses.models.decoder.args import DecoderArgs
+from titan_ulysses.models.families.common import base_args, check_common, llama_tensors
 from titan_ulysses.models.registry import ModelFamily, register
 
 
@@ -18,5 +16,4 @@ def export_config(args: DecoderArgs, config: dict) -> dict:
     return {"attention_bias": False, "mlp_bias": False}
 
 
-register(ModelFamily("llama", "LlamaForCausalLM", args_from_config, llama_tensors, export_config,
-                     build_transformer, parallelize_decoder, "llama3"))
+register(ModelFamily("llama", "LlamaForCausalLM", args_from_config, llama_tensors, export_config, "llama3"))

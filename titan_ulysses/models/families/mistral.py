@@ -6,10 +6,8 @@ last ``sliding_window`` keys, itself included, passed as ``window=`` to the atte
 
 from __future__ import annotations
 
-from titan_ulysses.models.families.common import (
-    base_args, build_transformer, check_common, llama_tensors, parallelize_decoder,
-)
 from titan_ulysses.models.decoder.args import DecoderArgs
+from titan_ulysses.models.families.common import base_args, check_common, llama_tensors
 from titan_ulysses.models.registry import ModelFamily, register
 
 
@@ -22,5 +20,4 @@ def export_config(args: DecoderArgs, config: dict) -> dict:
     return {"sliding_window": args.sliding_window or None}
 
 
-register(ModelFamily("mistral", "MistralForCausalLM", args_from_config, llama_tensors, export_config,
-                     build_transformer, parallelize_decoder, "yarn"))
+register(ModelFamily("mistral", "MistralForCausalLM", args_from_config, llama_tensors, export_config, "yarn"))

@@ -7,10 +7,8 @@ Phi-4-mini rotates the first ``partial_rotary_factor`` of each head only.
 
 from __future__ import annotations
 
-from titan_ulysses.models.families.common import (
-    base_args, build_transformer, check_common, llama_tensors, parallelize_decoder,
-)
 from titan_ulysses.models.decoder.args import DecoderArgs
+from titan_ulysses.models.families.common import base_args, check_common, llama_tensors
 from titan_ulysses.models.registry import HFTensors, ModelFamily, register
 
 
@@ -40,5 +38,4 @@ def export_config(args: DecoderArgs, config: dict) -> dict:
     return out
 
 
-register(ModelFamily("phi3", "Phi3ForCausalLM", args_from_config, hf_tensors, export_config,
-                     build_transformer, parallelize_decoder))
+register(ModelFamily("phi3", "Phi3ForCausalLM", args_from_config, hf_tensors, export_config))

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from titan_ulysses.models.families.common import (
-    base_args, build_transformer, check_common, llama_tensors, parallelize_decoder,
-)
 from titan_ulysses.models.decoder.args import DecoderArgs
+from titan_ulysses.models.families.common import base_args, check_common, llama_tensors
 from titan_ulysses.models.registry import HFConfigError, ModelFamily, register
 
 
@@ -40,7 +38,5 @@ def qwen3_export(args: DecoderArgs, config: dict) -> dict:
     return {"use_sliding_window": False, "attention_bias": False}
 
 
-register(ModelFamily("qwen2", "Qwen2ForCausalLM", qwen2_args, llama_tensors, qwen2_export,
-                     build_transformer, parallelize_decoder, "yarn"))
-register(ModelFamily("qwen3", "Qwen3ForCausalLM", qwen3_args, llama_tensors, qwen3_export,
-                     build_transformer, parallelize_decoder, "yarn"))
+register(ModelFamily("qwen2", "Qwen2ForCausalLM", qwen2_args, llama_tensors, qwen2_export, "yarn"))
+register(ModelFamily("qwen3", "Qwen3ForCausalLM", qwen3_args, llama_tensors, qwen3_export, "yarn"))
