@@ -6,7 +6,9 @@ kv heads replicated, uneven heads, cp, one process; with selective, full and off
 The compile case traces a staged block with ``fullgraph=True`` against the plain Ulysses block.
 The kernel-count case checks what ``ulysses_stage_keep_attention`` is for: kept, the stages run
 the attention kernel as often as plain attention does and hold its outputs between forward and
-backward exactly when plain attention does (never under full AC: no leak).
+backward exactly when plain attention does (never under full AC: no leak). The stages need of an
+attention module only the decoder's declared interface (``HeadAttention``), whatever its projections
+are called.
 """
 
 import copy
@@ -23,8 +25,11 @@ from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.staged_attention import apply_head_stages, check_head_stages, stage_plans
 from titan_ulysses.distributed.ulysses import apply_ulysses
+from titan_ulysses.models.decoder.attention import HeadAttention, HeadProjections, apply_rope
 from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
+from titan_ulysses.models.rope import rope_inv_freq
+from titan_ulysses.ops.attention import build_attention
 
 SEQ_LEN = 13
 
@@ -165,3 +170,46 @@ def test_kept_stages_run_the_kernel_as_plain_attention_does(ac_mode):
     assert plain[2] == (ac_mode != "full")
     for other in (kept, recomputed):
         assert_close(other[3], plain[3], "input grad", rtol=1e-4, atol=1e-5)
+
+
+class _RenamedAttention(torch.nn.Module):
+    """An attention module with projections of other names (and an output bias): only the decoder's declared
+    interface (models/decoder/attention.HeadAttention) in common with it."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2, head_dim=8):
+        super().__init__()
+        self.head_dim, self.attention_kwargs = head_dim, {}
+        self.q_proj = torch.nn.Linear(dim, heads * head_dim, bias=True)
+        self.k_proj = torch.nn.Linear(dim, kv_heads * head_dim, bias=True)
+        self.v_proj = torch.nn.Linear(dim, kv_heads * head_dim)
+        self.dense = torch.nn.Linear(heads * head_dim, dim, bias=True)
+        self.inner_attention = build_attention("sdpa")
+
+    def projections(self):
+        return HeadProjections(self.q_proj, self.k_proj, self.v_proj, self.dense)
+
+    def prepare_qk(self, q, k, rope):
+        return apply_rope(q, *rope), apply_rope(k, *rope)
+
+    def forward(self, x, rope, attention_mask=None):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = self.prepare_qk(q, k, rope)
+        return self.dense(self.inner_attention(q, k, v, attention_mask).reshape(b, s, -1))
+
+
+def test_stages_use_the_declared_attention_interface_only():
+    torch.manual_seed(0)
+    plain = _RenamedAttention()
+    assert isinstance(plain, HeadAttention)
+    staged = copy.deepcopy(plain)
+    assert apply_head_stages(staged, 2) == 1
+    x = torch.randn(2, 11, 32)
+    angles = torch.arange(11)[None, :, None].float() * rope_inv_freq(8, 10000.0, None)  # [1, S, Dh/2]
+    rope = (angles.cos()[:, :, None], angles.sin()[:, :, None])
+    outs = [m(x, rope) for m in (plain, staged)]
+    assert_close(outs[1], outs[0], "staged output", rtol=1e-5, atol=1e-6)
+    for out in outs:
+        out.square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), staged.parameters()):
+        assert_close(q.grad, p.grad, name, rtol=1e-5, atol=1e-6)

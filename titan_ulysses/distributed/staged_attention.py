@@ -5,11 +5,11 @@ back and projects out: the full-sequence q/k/v/out of all ``H/P`` heads a rank a
 their gradients, are alive together. With ``parallelism.ulysses_head_stages = G`` every rank's
 heads are split into G groups and the attention layer runs G stages; stage g
 
-1. projects the q, k, v of group g only (rows of ``wq``/``wk``/``wv``)      ``[B, S/P, P*h, Dh]``
+1. projects the q, k, v of group g only (rows of the q/k/v projections)   ``[B, S/P, P*h, Dh]``
 2. exchanges them (one all-to-all, q/k/v together)                         ``[B, S, h, Dh]``
 3. attends over the full sequence                                          ``[B, S, h, Dh]``
 4. exchanges the output back                                               ``[B, S/P, P*h, Dh]``
-5. adds its share of the output projection (columns of ``wo``)             ``[B, S/P, D]``
+5. adds its share of the output projection (its columns)                   ``[B, S/P, D]``
 
 Each stage is an activation checkpoint of its own (it keeps only its input and, with
 ``parallelism.ulysses_stage_keep_attention``, its attention kernel's outputs: ``stage_keep.py``;
@@ -25,7 +25,9 @@ and exchanged once per stage, and autograd sums its gradient. ``sp = 1`` stages 
 one process (no exchange): the same memory saving on a single GPU.
 
 Nothing here changes parameter names: the attention module's class is swapped for a
-subclass whose ``forward`` runs the stages over the module's own ``wq/wk/wv/wo``.
+subclass whose ``forward`` runs the stages over the module's own projections. What it uses of
+the module is the decoder's declared interface, ``models/decoder/attention.HeadAttention``
+(its projections, ``prepare_qk``, ``inner_attention``, ``attention_kwargs``, ``head_dim``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from titan_ulysses.distributed.heads import HeadPlan, head_plan, is_even
 from titan_ulysses.distributed.stage_keep import stage_contexts
 from titan_ulysses.distributed.ulysses import UlyssesAttention, head_to_seq, head_to_seq_uneven, seq_to_head, \
     seq_to_head_uneven
-from titan_ulysses.models.decoder.attention import apply_rope
+from titan_ulysses.models.decoder.attention import HeadAttention
 
 __all__ = ["StagePlan", "apply_head_stages", "check_head_stages", "stage_plans"]
 
@@ -121,7 +123,7 @@ def stage_plans(n_heads: int, n_kv_heads: int, sp: int, stages: int) -> tuple[St
 
 
 def _select(w: torch.Tensor | None, ranges, head_dim: int, dim: int) -> torch.Tensor | None:
-    """The heads ``ranges`` (in order) of a projection weight/bias along ``dim`` (0: rows of wq/wk/wv, 1: wo's columns).
+    """The heads ``ranges`` (in order) of a projection weight/bias along ``dim`` (0: q/k/v rows, 1: o's columns).
 
     A regular pattern (equal ranges at one stride that tiles the heads) is one strided view;
     anything else concatenates the slices."""
@@ -149,15 +151,16 @@ class HeadStagedAttention:
     stage_keep_attention: bool = True
 
     def forward(self, x, rope, attention_mask=None):  # [B, S/P, D] -> [B, S/P, D]
-        for proj in (self.wq, self.wk, self.wv, self.wo):
-            if type(proj) is not nn.Linear:  # LoRA / float8 / TP modules have their own forward; no silent bypass
+        proj = self.projections()
+        for p in proj:
+            if type(p) is not nn.Linear:  # LoRA / float8 / TP modules have their own forward; no silent bypass
                 raise ValueError(f"parallelism.ulysses_head_stages > 1 needs plain nn.Linear projections, found "
-                                 f"{type(proj).__name__}; set ulysses_head_stages = 1 with LoRA, float8 or tensor "
+                                 f"{type(p).__name__}; set ulysses_head_stages = 1 with LoRA, float8 or tensor "
                                  f"parallelism")
         inner = self.inner_attention
         sp = inner.sp if isinstance(inner, UlyssesAttention) else 1
-        hq = self.wq.weight.shape[0] // self.head_dim
-        hkv = self.wk.weight.shape[0] // self.head_dim
+        hq = proj.q.weight.shape[0] // self.head_dim
+        hkv = proj.k.weight.shape[0] // self.head_dim
         plans = stage_plans(hq, hkv, sp, self.head_stages)
         if sp > 1:
             inner._check_slice(x)
@@ -167,25 +170,24 @@ class HeadStagedAttention:
             part = checkpoint(self._stage, x, rope[0], rope[1], attention_mask, plan,
                               use_reentrant=False, preserve_rng_state=False, **keep)  # [B, S/P, D]
             out = part if out is None else out + part  # [B, S/P, D]
-        return out
+        return out if proj.o.bias is None else out + proj.o.bias  # once, not once per stage
 
     def _stage(self, x, cos, sin, attention_mask, plan: StagePlan):
         b, s, _ = x.shape
         dh = self.head_dim
-        q = F.linear(x, _select(self.wq.weight, plan.q, dh, 0), _select(self.wq.bias, plan.q, dh, 0))
-        k = F.linear(x, _select(self.wk.weight, plan.kv, dh, 0), _select(self.wk.bias, plan.kv, dh, 0))
-        v = F.linear(x, _select(self.wv.weight, plan.kv, dh, 0), _select(self.wv.bias, plan.kv, dh, 0))
+        proj = self.projections()
+        q = F.linear(x, _select(proj.q.weight, plan.q, dh, 0), _select(proj.q.bias, plan.q, dh, 0))
+        k = F.linear(x, _select(proj.k.weight, plan.kv, dh, 0), _select(proj.k.bias, plan.kv, dh, 0))
+        v = F.linear(x, _select(proj.v.weight, plan.kv, dh, 0), _select(proj.v.bias, plan.kv, dh, 0))
         q, k, v = (t.view(b, s, -1, dh) for t in (q, k, v))  # [B, S/P, P*h, Dh], [B, S/P, P*c, Dh]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.prepare_qk(q, k, (cos, sin))
         inner = self.inner_attention
-        kwargs = getattr(self, "attention_kwargs", None) or {}
+        kwargs = self.attention_kwargs
         if isinstance(inner, UlyssesAttention):
             out = self._exchange_and_attend(inner, plan, q, k, v, attention_mask, kwargs)  # [B, S/P, P*h, Dh]
         else:
             out = self._attend(inner, plan, 0, q, k, v, attention_mask, kwargs)
-        return F.linear(out.flatten(2), _select(self.wo.weight, plan.q, dh, 1))  # [B, S/P, D]
+        return F.linear(out.flatten(2), _select(proj.o.weight, plan.q, dh, 1))  # [B, S/P, D]
 
     def _attend(self, local, plan, rank, q, k, v, attention_mask, kwargs):
         index = plan.kv_index(rank)
@@ -211,7 +213,7 @@ def _staged_class(cls: type) -> type:
 
 
 def apply_head_stages(model: nn.Module, stages: int, keep_attention: bool = True) -> int:
-    """Run every attention module (one with ``inner_attention`` and ``wq/wk/wv/wo``) in ``stages`` head stages.
+    """Run every attention module (a ``HeadAttention``) in ``stages`` head stages.
 
     Apply after Ulysses (the stages use its group) and before activation checkpointing and
     compile. Returns how many modules were staged (0 when ``stages`` is 1)."""
@@ -221,12 +223,12 @@ def apply_head_stages(model: nn.Module, stages: int, keep_attention: bool = True
     for module in model.modules():
         if isinstance(module, HeadStagedAttention):
             continue
-        if all(hasattr(module, n) for n in ("inner_attention", "wq", "wk", "wv", "wo", "head_dim")):
+        if isinstance(module, HeadAttention):
             module.__class__ = _staged_class(type(module))
             module.head_stages = stages
             module.stage_keep_attention = keep_attention
             staged += 1
     if staged == 0:
-        raise ValueError("parallelism.ulysses_head_stages found no attention module (inner_attention, wq/wk/wv/wo) "
-                         "to stage in the model")
+        raise ValueError("parallelism.ulysses_head_stages found no attention module (models/decoder/attention."
+                         "HeadAttention) to stage in the model")
     return staged

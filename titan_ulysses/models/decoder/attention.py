@@ -1,10 +1,14 @@
 """The decoder's attention: q/k/v projections, per-head q/k norms, RoPE, a swappable ``inner_attention``, out.
 
+Code outside the decoder relies on :class:`HeadAttention` alone (``distributed/staged_attention.py``
+recomputes the layer head group by head group through it); Ulysses and cp swap ``inner_attention``.
 Shapes: B batch, S the local sequence length (S_total / sp under Ulysses), H heads (local
 to a tensor-parallel rank), Dh head dim, D model dim.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -27,6 +31,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x0, x1 = x_[..., 0], x_[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
+
+
+class HeadProjections(NamedTuple):
+    """An attention layer's projections: q, k, v (output rows grouped by head) and o (input columns by head)."""
+
+    q: nn.Module
+    k: nn.Module
+    v: nn.Module
+    o: nn.Module
+
+
+@runtime_checkable
+class HeadAttention(Protocol):
+    """The declared interface of the decoder's attention module. Its forward is, for ``x: [B, S, D]``::
+
+        q, k, v = (p(x).view(B, S, -1, head_dim) for p in projections()[:3])
+        q, k = prepare_qk(q, k, rope)
+        out = inner_attention(q, k, v, attention_mask, **attention_kwargs)  # [B, S, Hq, Dh]
+        return projections().o(out.reshape(B, S, -1))
+    """
+
+    head_dim: int
+    inner_attention: nn.Module
+    attention_kwargs: dict
+
+    def projections(self) -> HeadProjections: ...
+
+    def prepare_qk(self, q: torch.Tensor, k: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class Attention(nn.Module):
@@ -52,14 +84,21 @@ class Attention(nn.Module):
         if layer_type == "sliding_attention" and args.sliding_window:
             self.attention_kwargs["window"] = args.sliding_window
 
+    def projections(self) -> HeadProjections:
+        return HeadProjections(self.wq, self.wk, self.wv, self.wo)
+
+    def prepare_qk(self, q, k, rope):
+        """q ``[B, S, Hq, Dh]`` and k ``[B, S, Hkv, Dh]`` as the kernel takes them: per-head norms, then RoPE."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, *rope), apply_rope(k, *rope)
+
     def forward(self, x, rope, attention_mask):
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [B, S, Hq, Dh]
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, Dh]
         v = self.wv(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, Dh]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = self.prepare_qk(q, k, rope)
         out = self.inner_attention(q, k, v, attention_mask, **self.attention_kwargs)  # [B, S, Hq, Dh]
         return self.wo(out.reshape(b, s, -1))
 
