@@ -1,7 +1,8 @@
 """The decoder's block: attention and feed-forward around the residual stream, each after its norm.
 
 With ``DecoderSpec.sandwich_norms`` (Gemma) each also passes a norm of its own before it joins
-the residual. The feed-forward comes from the family's builder (``feed_forward.py``).
+the residual. The feed-forward comes from the family's builder (``feed_forward.py``), and may
+return an auxiliary loss beside its output.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from torch import nn
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.decoder.attention import Attention
+from titan_ulysses.models.decoder.feed_forward import attach_aux_loss
 from titan_ulysses.models.decoder.norm import RMSNorm
 from titan_ulysses.models.decoder.spec import DecoderSpec
 
@@ -35,7 +37,9 @@ class TransformerBlock(nn.Module):
             rope = rope[self.layer_type]
         a = self.attention(self.attention_norm(x), rope, attention_mask)  # [B, S, D]
         h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
-        f = self.feed_forward(self.ffn_norm(h))  # [B, S, D]
+        f = self.feed_forward(self.ffn_norm(h))  # [B, S, D], or with an auxiliary loss ([B, S, D], [])
+        if isinstance(f, tuple):
+            f = attach_aux_loss(*f)
         return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
 
     def init_weights(self):
