@@ -10,7 +10,7 @@ In fp32 with GQA (no cp) CUDA's sdpa kernels other than flash need a kv head per
 (``ops/attention.py``): attention keeps the expanded k and v instead.
 
 What autograd keeps per layer and local token without activation checkpointing, read off
-``models/decoder/model.py`` (bytes):
+``models/decoder/`` (bytes; a family whose layers keep more adds its terms, ``ModelFamily.layer_memory``):
 
 * RMSNorm x2: its input and one fp32 scale per token, ``aD + 4`` each (``ops/norm.py``);
 * the q/k/v projections' input (the norm output): ``aD``;
@@ -346,6 +346,15 @@ def layer_bytes_per_token(args: DecoderArgs, layout: Layout, s: Switches, mode: 
     return norms + a * d + attention + wo_input + mlp + rope
 
 
+def family_layer_bytes(args: DecoderArgs, layout: Layout, s: Switches, mode: str = "none") -> float:
+    """Bytes one layer keeps for backward per local token, as the model's family counts them
+    (``ModelFamily.layer_memory``, given :func:`layer_bytes_per_token`); by default the decoder's, that function's."""
+    from titan_ulysses.models.registry import get_family
+
+    own = get_family(args.family).layer_memory
+    return own(layer_bytes_per_token, args, layout, s, mode) if own else layer_bytes_per_token(args, layout, s, mode)
+
+
 def _loss_transients(args: DecoderArgs, s: Switches, tokens: float) -> tuple[float, float, float]:
     """(forward, backward, beside the backward's logits) bytes of the loss (``ops/loss.py``) over ``tokens`` rows.
 
@@ -384,7 +393,7 @@ def estimate(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int
     if s.cpu_offload:
         host_states, states = states, host_states
     block_grad = states["gradients"] and 4 * trained / n  # one block's sharded fp32 gradient (0 when offloaded)
-    per_layer = layer_bytes_per_token(args, layout, s, s.ac_mode)
+    per_layer = family_layer_bytes(args, layout, s, s.ac_mode)
     # token ids, the root's fp32 RoPE tables (cos and sin, [T, Dh/2] each), the final norm's input and scale, its output
     head = tokens * (8 + 4 * args.head_dim + (a * d + 4) + a * d)
     k = groups.group_size(s.ac_mode, s.ac_layers_per_checkpoint)
@@ -396,7 +405,7 @@ def estimate(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int
     earlier_host = host_states["gradients"] if s.microbatches > 1 else 0.0
     host = groups.host_bytes(host_states["parameters"], host_states["gradients"], host_states["optimizer"],
                              earlier_host, inputs * a * d * tokens if s.ac_mode == "full_offload" else 0.0)
-    full_set = layer_bytes_per_token(args, layout, s, "none")
+    full_set = family_layer_bytes(args, layout, s, "none")
     # what the layer's backward holds: its full set, of which the mode kept per_layer (selective keeps
     # tensors the full set does not -- the projections' outputs -- but they are released as the recompute
     # consumes them; with cp, the gathered K/V stay beside the prefixes recomputed from them)

@@ -3,7 +3,8 @@
 Every family is the decoder of ``models/decoder/``. A family says only what differs: how
 config.json becomes its arguments, which tensors its safetensors hold (names, fused
 projections, RoPE-ordered rows), what its exported config.json adds, what its decoder does
-differently (``DecoderSpec``: norms, embedding scale, the feed-forward). The trainer, the memory estimate and
+differently (``DecoderSpec``: norms, embedding scale, the feed-forward) and, where its layers keep
+more for backward than the decoder's, its per-layer memory terms. The trainer, the memory estimate and
 tracker, HF load and export ask :func:`get_family` / :func:`build_model` /
 :func:`parallelize_model`; a new family is one file under ``families/`` and one line in
 ``families/__init__.py``.
@@ -44,6 +45,10 @@ class ModelFamily:
     """RoPE method its context extension uses when config.json has none (models/extension.py); "": none."""
     decoder: DecoderSpec = DecoderSpec()
     """What its decoder does differently from Llama's beyond config.json's numbers (Llama's: none)."""
+    layer_memory: Callable | None = None
+    """``(decoder_terms, args, Layout, Switches, ac_mode) ->`` bytes one layer keeps for backward per local token,
+    where ``decoder_terms`` (the same arguments less itself) counts the decoder's
+    (``metrics/memory_estimate.layer_bytes_per_token``); None: the decoder's alone."""
     args_class: type = DecoderArgs
     """The dataclass of its model arguments (a checkpoint's model_args.json is read back into it)."""
 

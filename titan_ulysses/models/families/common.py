@@ -156,3 +156,13 @@ def rope_config(args: DecoderArgs) -> dict | None:
 def no_export_keys(args: DecoderArgs, config: dict) -> dict:
     return {}
 
+
+
+def qk_norm_bytes(args: DecoderArgs, layout, switches, mode: str) -> float:
+    """Bytes per local token that per-head q/k norms (Qwen3, Gemma 3) keep beyond the decoder's memory terms:
+    without AC, their inputs (the q/k projections' outputs, which RoPE alone frees) and an fp32 scale per head.
+    AC recomputes them (selective too: no matmul), and so does each head stage (a checkpoint of its own)."""
+    if not args.qk_norm or mode != "none" or switches.head_stages > 1:
+        return 0.0
+    heads = (args.n_heads + args.n_kv_heads) // layout.tp
+    return (switches.act_bytes * args.head_dim + 4) * heads

@@ -21,7 +21,9 @@ import functools
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.decoder.feed_forward import dense
 from titan_ulysses.models.decoder.spec import DecoderSpec
-from titan_ulysses.models.families.common import base_args, check_common, llama_tensors, parse_rope, refuse
+from titan_ulysses.models.families.common import (
+    base_args, check_common, llama_tensors, parse_rope, qk_norm_bytes, refuse,
+)
 from titan_ulysses.models.registry import HFConfigError, HFTensors, ModelFamily, register
 
 ACT = "gelu_pytorch_tanh"
@@ -114,6 +116,21 @@ def export_config(args: DecoderArgs, config: dict) -> dict:
     }
 
 
+def layer_memory(decoder_terms, args: DecoderArgs, layout, switches, mode: str) -> float:
+    """The decoder's per-layer memory terms (``metrics/memory_estimate.py``) and Gemma's: without AC, the two
+    sandwich norms' inputs and fp32 scales and the q/k norms' (``qk_norm_bytes``); under AC, the checkpoint's copy
+    of the sliding layers' RoPE tables beside the full layers' (bf16: ``a Dh``; without AC a block frees the one it
+    does not use). Each term as the tracker (``metrics/memory_track.py``) measures it: tests/test_memory_track.py."""
+    a = switches.act_bytes
+    extra = qk_norm_bytes(args, layout, switches, mode)
+    if mode == "none":
+        extra += 2 * (a * args.dim + 4)
+    elif args.local_rope and a < 4:
+        extra += a * args.head_dim
+    return decoder_terms(args, layout, switches, mode) + extra
+
+
 register(ModelFamily("gemma3_text", "Gemma3ForCausalLM", args_from_config, hf_tensors, export_config, "linear",
-                     GEMMA))
-register(ModelFamily("gemma2", "Gemma2ForCausalLM", args_from_config, hf_tensors, export_config, "", GEMMA))
+                     GEMMA, layer_memory))
+register(ModelFamily("gemma2", "Gemma2ForCausalLM", args_from_config, hf_tensors, export_config, "", GEMMA,
+                     layer_memory))

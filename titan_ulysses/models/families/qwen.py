@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from titan_ulysses.models.decoder.args import DecoderArgs
-from titan_ulysses.models.families.common import base_args, check_common, llama_tensors
+from titan_ulysses.models.families.common import base_args, check_common, llama_tensors, qk_norm_bytes
 from titan_ulysses.models.registry import HFConfigError, ModelFamily, register
 
 
@@ -38,5 +38,11 @@ def qwen3_export(args: DecoderArgs, config: dict) -> dict:
     return {"use_sliding_window": False, "attention_bias": False}
 
 
+def qwen3_layer_memory(decoder_terms, args: DecoderArgs, layout, switches, mode: str) -> float:
+    """The decoder's per-layer memory terms and the per-head q/k norms' (``metrics/memory_estimate.py``)."""
+    return decoder_terms(args, layout, switches, mode) + qk_norm_bytes(args, layout, switches, mode)
+
+
 register(ModelFamily("qwen2", "Qwen2ForCausalLM", qwen2_args, llama_tensors, qwen2_export, "yarn"))
-register(ModelFamily("qwen3", "Qwen3ForCausalLM", qwen3_args, llama_tensors, qwen3_export, "yarn"))
+register(ModelFamily("qwen3", "Qwen3ForCausalLM", qwen3_args, llama_tensors, qwen3_export, "yarn",
+                     layer_memory=qwen3_layer_memory))
