@@ -45,6 +45,8 @@ FAMILY_VARIANTS = {
     # Gemma 2: soft-capped scores and logits (caps low enough to bite), no q/k norms, one RoPE
     "gemma2-softcap": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
                                       attn_logit_softcapping=3.0, final_logit_softcapping=4.0, pad_token_id=0), None),
+    # GLM-4: interleaved RoPE on half of each head (rows load in their own order), q/k/v biases, fused gate_up
+    "glm-half-rotary-bias": ("glm", dict(head_dim=16, pad_token_id=0), "40KB"),
     # Qwen's long-context recipe: yarn with its attention factor
     "qwen3-yarn": ("qwen3", dict(head_dim=16, rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 8},
@@ -63,6 +65,7 @@ def hf_classes(model_type: str):
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "glm": (transformers.GlmConfig, transformers.GlmForCausalLM),
     }[model_type]
 
 

@@ -2,8 +2,9 @@
 
 Mistral (Nemo's head_dim, a window shorter than the sequence), Phi-3 (fused qkv / gate_up,
 longrope past the original context), Phi-4-mini (partial rotary, tied, sharded files),
-Gemma 3 (local and global layers, its DecoderSpec) and Qwen3 with YaRN, loaded from single-file and sharded folders at sp=2 (inside dp_replicate=2),
-dp_shard=2 x sp=2 and cp=2 x sp=2, all in one 4-rank launch. Weights are random but far from
+Gemma 3 (local and global layers, its DecoderSpec), GLM-4 (half-rotary interleaved RoPE, q/k/v
+biases, fused gate_up) and Qwen3 with YaRN, loaded from single-file and sharded folders at sp=2
+(inside dp_replicate=2), dp_shard=2 x sp=2 and cp=2 x sp=2, all in one 4-rank launch. Weights are random but far from
 the init (tests/hf_fixtures.py) so that a wrong permutation, split or RoPE setting moves the
 logits far beyond the tolerance.
 
