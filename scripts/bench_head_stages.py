@@ -41,8 +41,8 @@ def main(argv=None) -> int:
 
     from titan_ulysses.distributed.activation_checkpoint import apply_ac
     from titan_ulysses.distributed.staged_attention import apply_head_stages, check_head_stages
-    from titan_ulysses.models.flavors import get_flavor
     from titan_ulysses.models.decoder.model import Transformer
+    from titan_ulysses.models.flavors import get_flavor
 
     if a.threads:
         torch.set_num_threads(a.threads)

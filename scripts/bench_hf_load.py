@@ -80,8 +80,8 @@ def _rank(rank: int, world: int, init_file: str, folder: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from titan_ulysses.checkpoint.hf import load_hf_weights
     from titan_ulysses.distributed.parallel_dims import ParallelDims
-    from titan_ulysses.models.hf_config import load_hf_args
     from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
+    from titan_ulysses.models.hf_config import load_hf_args
     from titan_ulysses.models.registry import build_model, parallelize_model
 
     args = load_hf_args(folder)

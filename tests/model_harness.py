@@ -11,9 +11,9 @@ from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import dist_sum, global_token_count, load_full_state_dict
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.flavors import get_flavor
 from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
+from titan_ulysses.models.flavors import get_flavor
 from titan_ulysses.ops.loss import IGNORE_INDEX, cross_entropy_sum
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")

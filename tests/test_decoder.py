@@ -169,7 +169,8 @@ def test_a_family_is_its_file_and_one_line():
     get_family("llama")  # registers them all
     families = os.path.join(PACKAGE, "models", "families")
     init = os.path.join(families, "__init__.py")
-    imported = {a.name for n in ast.walk(ast.parse(open(init).read())) if isinstance(n, ast.ImportFrom) for a in n.names}
+    tree = ast.parse(open(init).read())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     for model_type, family in FAMILIES.items():
         module = family.args_from_config.__module__
         assert module.rsplit(".", 1)[1] in imported and os.path.isfile(os.path.join(ROOT, *module.split(".")) + ".py")

@@ -18,8 +18,8 @@ BASE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hi
      "layer_types contains 'linear_attention': state-space / linear-attention layers are not supported"),
     ({"model_type": "jamba", "mamba_d_state": 16}, "mamba_d_state 16: state-space / linear-attention layers"),
     ({"model_type": "falcon_mamba"}, "model_type 'falcon_mamba': state-space / linear-attention layers"),
-    ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' is not supported (one of ['gemma2', 'gemma3_text', 'glm', 'llama', 'mistral', 'phi3', "
-                                 "'qwen2', 'qwen3'])"),
+    ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' is not supported (one of ['gemma2', 'gemma3_text', 'glm', "
+                                 "'llama', 'mistral', 'phi3', 'qwen2', 'qwen3'])"),
     ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for model_type 'llama' (silu)"),
     ({"model_type": "llama", "attention_bias": True}, "attention_bias True is not supported for model_type 'llama'"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16},

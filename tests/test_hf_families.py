@@ -27,8 +27,8 @@ from titan_ulysses.checkpoint.hf_adapter import to_hf
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import dist_sum
-from titan_ulysses.models.hf_config import load_hf_args
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
+from titan_ulysses.models.hf_config import load_hf_args
 from titan_ulysses.models.registry import build_model, get_family, parallelize_model
 from titan_ulysses.ops.loss import cross_entropy_sum
 

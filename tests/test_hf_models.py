@@ -20,9 +20,9 @@ from model_harness import make_batch, parallel_step
 from titan_ulysses.checkpoint.hf import load_hf_weights
 from titan_ulysses.checkpoint.hf_adapter import from_hf, halves_to_interleaved, interleaved_to_halves, to_hf
 from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.models.hf_config import load_hf_args
 from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
+from titan_ulysses.models.hf_config import load_hf_args
 
 pytest.importorskip("transformers")
 SEQ, BATCH = 24, 4

@@ -121,8 +121,8 @@ def test_export_shards_with_an_index_above_the_threshold(trained, tmp_path):
 
     from titan_ulysses.checkpoint.hf import export_hf, load_hf_weights
     from titan_ulysses.checkpoint.hf_export import write_model_record
-    from titan_ulysses.models.hf_config import load_hf_args
     from titan_ulysses.models.decoder.model import Transformer
+    from titan_ulysses.models.hf_config import load_hf_args
 
     folder, hf_model, _ = trained
     model = Transformer(load_hf_args(folder))

@@ -1,5 +1,6 @@
 """The package's layers, read from the import statements of its files (function-local imports too):
-``config/`` is a leaf, and nothing inside the packages imports the trainer or the pre-flight module."""
+``config/`` is a leaf, nothing inside the packages imports the trainer or the pre-flight module, and the
+decoder and its families import nothing distributed."""
 
 import ast
 import glob
@@ -44,3 +45,15 @@ def test_the_check_sees_function_local_imports(tmp_path):
     sample = tmp_path / "m.py"
     sample.write_text("def f():\n    from titan_ulysses.models.resolve import model_args\n")
     assert imported(str(sample)) == {"titan_ulysses.models.resolve", "titan_ulysses.models.resolve.model_args"}
+
+
+def test_the_decoder_and_the_families_are_not_distributed():
+    """``models/decoder/`` computes the model and nothing else (gpt-fast style): only ``parallelize.py`` lays it out
+    on the mesh; a family's file declares what differs and imports nothing distributed either."""
+    found = files(os.path.join("models", "decoder")) + files(os.path.join("models", "families"))
+    assert len(found) >= 12
+    for path in found:
+        if os.path.basename(path) == "parallelize.py":
+            continue
+        dist = {n for n in imported(path) if n.startswith("titan_ulysses.distributed")}
+        assert not dist, f"{os.path.relpath(path, ROOT)} imports {sorted(dist)}; parallelism belongs in parallelize.py"

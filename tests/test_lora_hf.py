@@ -129,8 +129,8 @@ def _save_lora_checkpoint(folder, out):
     from titan_ulysses.distributed.lora import init_state
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.distributed.utils import load_full_state_dict
-    from titan_ulysses.models.hf_config import load_hf_args
     from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
+    from titan_ulysses.models.hf_config import load_hf_args
 
     pd = ParallelDims(sp=2, world_size=dist.get_world_size())
     pd.build_mesh("cpu")

@@ -23,9 +23,9 @@ from titan_ulysses.distributed.ulysses import apply_ulysses
 from titan_ulysses.metrics.memory_estimate import Layout, Switches, estimate
 from titan_ulysses.metrics.memory_track import cuda_kernel_choices, track_step
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.flavors import get_flavor
 from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
+from titan_ulysses.models.flavors import get_flavor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import estimate_memory  # noqa: E402

@@ -13,8 +13,8 @@ from titan_ulysses.data.build import build_dataset
 from titan_ulysses.data.chat import CHATML_TEMPLATE, load_chat_template
 from titan_ulysses.data.encode import SFTEncoder
 from titan_ulysses.data.tokenizer import ByteTokenizer
-from titan_ulysses.models.flavors import get_flavor
 from titan_ulysses.models.decoder.model import Transformer
+from titan_ulysses.models.flavors import get_flavor
 from titan_ulysses.ops.attention import build_attention_mask
 from titan_ulysses.ops.loss import IGNORE_INDEX
 

@@ -143,8 +143,8 @@ def hf_folder(tmp_path_factory):
 
 def _hf_weights(folder):
     from titan_ulysses.checkpoint.hf import load_hf_weights
-    from titan_ulysses.models.hf_config import load_hf_args
     from titan_ulysses.models.decoder.model import Transformer
+    from titan_ulysses.models.hf_config import load_hf_args
 
     model = Transformer(load_hf_args(str(folder)))
     load_hf_weights(model, str(folder))

@@ -38,9 +38,9 @@ from titan_ulysses.metrics.loggers.wandb_logger import WandbError
 from titan_ulysses.metrics.progress import RunProgress
 from titan_ulysses.metrics.system import WaitTimer, system_metrics
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.hf_config import describe
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
+from titan_ulysses.models.hf_config import describe
 from titan_ulysses.models.registry import build_model, parallelize_model
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.attention import build_attention_mask, check_attention_settings, sdpa_priority

@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_ulysses.checkpoint.hf_adapter import hf_tensors, join, our_shapes, ours_to_theirs
 from titan_ulysses.checkpoint.lora_export import merge, pop_adapters, scaling_of
 from titan_ulysses.checkpoint.steps import missing_checkpoint
-from titan_ulysses.models.families.common import rope_config
 from titan_ulysses.models.decoder.args import DecoderArgs, RopeScaling
+from titan_ulysses.models.families.common import rope_config
 from titan_ulysses.models.registry import get_family
 
 RECORD = "model_args.json"

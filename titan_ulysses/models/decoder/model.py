@@ -76,8 +76,8 @@ class Transformer(nn.Module):
         return rope_frequencies(args.rotary_dim, args.local_rope_theta, args.local_rope_scaling)
 
     def rope(self, positions: torch.Tensor):
-        """cos, sin of ``positions`` ([S] or [B, S], global token indices) as [B or 1, S, 1, Dr/2] fp32;
-        with a local RoPE (``args.local_rope``), one pair per layer type: ``{"full_attention": ..., "sliding_attention": ...}``."""
+        """cos, sin of ``positions`` ([S] or [B, S], global token indices) as [B or 1, S, 1, Dr/2] fp32; with a
+        local RoPE (``args.local_rope``) one pair per layer type: ``{"full_attention": .., "sliding_attention": ..}``"""
         if positions.dim() == 1:
             positions = positions[None]
         inv_freq = self.rope_inv_freq

@@ -1,4 +1,6 @@
-"""Lay a Llama model out on the DeviceMesh: float8 -> TP -> CP -> Ulysses -> LoRA -> AC -> compile -> offload -> FSDP2."""
+"""Lay the decoder out on the DeviceMesh: float8 -> TP -> CP -> Ulysses -> LoRA -> AC -> compile -> offload -> FSDP2.
+
+Every family is laid out in this fixed order (``models/registry.parallelize_model``)."""
 
 from __future__ import annotations
 

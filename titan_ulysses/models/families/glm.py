@@ -1,4 +1,4 @@
-"""GLM-4 (``model_type`` glm, GLM-4-9B-chat-hf): Llama's block with q/k/v biases, fused ``gate_up_proj``, half-rotary RoPE.
+"""GLM-4 (``model_type`` glm, GLM-4-9B-chat-hf): Llama's block, q/k/v biases, fused ``gate_up_proj``, half-rotary RoPE.
 
 GLM rotates interleaved pairs ``(x[2i], x[2i+1])`` of the first ``partial_rotary_factor`` (0.5
 by default) of each head, exactly as our RoPE does: its q/k rows load in their own order (no
