@@ -133,7 +133,7 @@ class UlyssesAttention(nn.Module):
 
     def _check_slice(self, q: torch.Tensor) -> None:
         """Raise ValueError on every rank if the sp ranks' slices differ in length."""
-        if not (self.check_slices and self._can_check) or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not (self.check_slices and self._can_check):  # compiled: no per-layer guard
             return
         mine = torch.tensor([q.shape[1]], dtype=torch.int64, device=q.device)
         gathered = [torch.empty_like(mine) for _ in range(self.sp)]
