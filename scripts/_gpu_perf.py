@@ -245,10 +245,10 @@ def longest(config_name: str, extra: list[str], lengths: tuple[int, int], target
     return run
 
 
-def cell_steps(compile_on: bool, precision: str, ac: str):
+def cell_steps(compile_on: bool, precision: str, ac: str, extra: tuple = ()):
     """The 8B 128K cell on a simulated rank of sp=8 in fewer steps (the short parts: 5 and 2 compiled, 4 and 1 eager)."""
-    return train_cell(os.path.join(CONFIGS, "llama3_8b_128k.toml"), compile_on, precision, ac, SIM8, 128 * 1024,
-                      steps=(5, 2) if compile_on else (4, 1))
+    return train_cell(os.path.join(CONFIGS, "llama3_8b_128k.toml"), compile_on, precision, ac, [*SIM8, *extra],
+                      128 * 1024, steps=(5, 2) if compile_on else (4, 1))
 
 
 K = 1024
