@@ -29,23 +29,24 @@ class GroupedExperts(nn.Module):
             self.b1 = self.b3 = self.b2 = None
         self.kernel: bool | None = None  # None: the grouped kernel where available (ops/grouped_mm.py)
 
-    @property
-    def num_local_experts(self) -> int:
-        return self.w1.shape[0]
-
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` [T', D] rows grouped by expert in expert order, ``counts`` [E_local] -> [T', D]."""
-        a = self.args
-        gate = grouped_mm(x, self.w1, counts, self.kernel)  # [T', F]
-        up = grouped_mm(x, self.w3, counts, self.kernel)  # [T', F]
-        if self.b1 is not None:
-            rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
-                                           output_size=x.shape[0])  # [T'] the expert of each row
-            gate, up = gate + self.b1[rows], up + self.b3[rows]
-        if a.activation == "clamped_swiglu":
-            gate, up = gate.clamp(max=a.swiglu_limit), up.clamp(-a.swiglu_limit, a.swiglu_limit)
-            h = (up + 1) * gate * torch.sigmoid(gate * a.swiglu_alpha)
-        else:
-            h = F.silu(gate) * up  # [T', F]
-        out = grouped_mm(h, self.w2, counts, self.kernel)  # [T', D]
-        return out + self.b2[rows] if self.b2 is not None else out
+        return run_experts(x, counts, self.args, self.w1, self.w3, self.w2, self.b1, self.b3, self.b2, self.kernel)
+
+
+def run_experts(x, counts, args: MoEArgs, w1, w3, w2, b1=None, b3=None, b2=None, kernel=None) -> torch.Tensor:
+    """The experts as a function of their weights (expert parallelism passes its local shards)."""
+    gate = grouped_mm(x, w1, counts, kernel)  # [T', F]
+    up = grouped_mm(x, w3, counts, kernel)  # [T', F]
+    rows = None
+    if b1 is not None:
+        rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
+                                       output_size=x.shape[0])  # [T'] the expert of each row
+        gate, up = gate + b1[rows], up + b3[rows]
+    if args.activation == "clamped_swiglu":
+        gate, up = gate.clamp(max=args.swiglu_limit), up.clamp(-args.swiglu_limit, args.swiglu_limit)
+        h = (up + 1) * gate * torch.sigmoid(gate * args.swiglu_alpha)
+    else:
+        h = F.silu(gate) * up  # [T', F]
+    out = grouped_mm(h, w2, counts, kernel)  # [T', D]
+    return out + b2[rows] if b2 is not None else out
