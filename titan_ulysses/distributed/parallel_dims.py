@@ -53,7 +53,7 @@ FLATTENED = {
 # Borrowed dimensions: no ranks of their own, carved from the innermost ranks of a flattened
 # group; the rest of that group gets the second name. ``ep`` (expert parallelism) takes ``ep``
 # ranks of dp_shard x cp x sp (as torchtitan's does), so sp=8, ep=8 is one node: experts are
-# sharded over ``ep`` and FSDP shards them over ``efsdp``.
+# sharded over ``ep`` and FSDP shards them over ``efsdp`` (``ep_fsdp``: with HSDP's replicas).
 BORROWED = {"ep": ("fsdp_shard", "efsdp")}
 
 # Earlier names of flattened groups, kept for callers written before a dimension joined them.
@@ -183,16 +183,21 @@ class ParallelDims:
             )
         else:
             meshes["fsdp"] = meshes["fsdp_shard"]
-        for dim, (group, rest) in BORROWED.items():  # (rest, dim): dim the innermost ranks of the group
-            split = meshes[group]._unflatten(0, (self.size(rest), getattr(self, dim)), (rest, dim))
+        for dim, (group, rest) in BORROWED.items():
+            # the group's ranks as (rest, dim), dim innermost; unflattened from ``loss`` (dp_replicate
+            # outside the group) so that the weights' FSDP mesh can be HSDP's 2-D one too
+            shape = (self.dp_replicate, self.size(rest), getattr(self, dim))
+            split = meshes["loss"]._unflatten(0, shape, (f"{dim}_replicate", rest, dim))
             meshes[rest], meshes[dim] = split[rest], split[dim]
+            meshes[f"{dim}_fsdp"] = split[(f"{dim}_replicate", rest)] if self.dp_replicate > 1 else split[rest]
         for old, new in ALIASES.items():
             meshes[old] = meshes[new]
         self._meshes = meshes
         return root
 
     def get_mesh(self, name: str) -> DeviceMesh:
-        """A mesh dimension (``sp``), a flattened mesh (``dp``, ``seq``, ``fsdp_shard``, ``loss``) or ``fsdp``."""
+        """A mesh dimension (``sp``), a flattened mesh (``dp``, ``seq``, ``fsdp_shard``, ``loss``), ``fsdp``, or a
+        borrowed one (``ep``, its complement ``efsdp``, ``ep_fsdp`` where FSDP shards the experts)."""
         meshes = getattr(self, "_meshes", None)
         if meshes is None:
             raise RuntimeError("ParallelDims.build_mesh(device_type) must be called before get_mesh")
