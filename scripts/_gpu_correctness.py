@@ -237,8 +237,8 @@ def full_offload_equals_full(ctx):
                       "tolerance loss 1e-6, grads 1e-5 (rel.)"}
 
 
-def compile_one_step(ctx):
-    """Per-block torch.compile(fullgraph) on CUDA against eager, one step, every memory switch.
+def compile_one_step(ctx, modes=("none", "selective", "full", "full_offload")):
+    """Per-block torch.compile(fullgraph) on CUDA against eager, one step, each AC mode of ``modes``.
 
     One forward/backward from the same weights, so roundoff is not amplified by an optimizer
     (what the 8-step trainer runs of ``compile_memory_switches`` cannot tell apart from a bug).
@@ -253,7 +253,7 @@ def compile_one_step(ctx):
     compute = ComputeOptions(loss_chunk_size=s // 4, mlp_tile_size=s // 4)
     tokens = torch.randint(0, args.vocab_size, (2, s), generator=torch.Generator().manual_seed(0)).to(ctx.device)
     figures = {}
-    modes = ("selective", "full_offload") if ctx.dry_run else ("none", "selective", "full", "full_offload")
+    modes = modes[-2:] if ctx.dry_run else modes
     for mode in modes:  # (the dry run: two of them, each compile costs CI seconds)
         torch._dynamo.reset()
         loss_err, grad_err = _step_errors(_one_step(ctx, args, tokens, mode, compile_=True, compute=compute),
@@ -265,6 +265,11 @@ def compile_one_step(ctx):
             "detail": f"2-layer fp32 model (dim {args.dim}), 2 x {s} tokens, chunked loss and tiled MLP, TF32 off; "
                       f"compiled blocks vs eager for AC {'/'.join(modes)}, one step from the same "
                       "weights; tolerance loss 1e-5, grads 1e-4 (rel.)"}
+
+
+def compile_one_step_modes(modes: tuple):
+    """``compile_one_step`` for these AC modes only (the short first part)."""
+    return lambda ctx: compile_one_step(ctx, modes)
 
 
 # ---- trainer runs (train.py in a subprocess) ------------------------------------------------

@@ -122,8 +122,11 @@ def _a2a(device, r, w, functional: bool) -> bool:
     return torch.equal(out.cpu(), 10 * torch.arange(w, dtype=torch.float) + r)
 
 
-def model_equality(device, layout: dict, steps: int) -> dict:
-    """The parallel model on ``device`` against one process on the same device: fp32, AdamW steps."""
+def model_equality(device, layout: dict, steps: int, options: dict | None = None, lora: bool = False) -> dict:
+    """The parallel model on ``device`` against one process on the same device: fp32, AdamW steps.
+
+    ``options``: ParallelizeOptions fields (head stages, AC); ``lora``: adapters on every projection,
+    the same on both (B random, so the adapters change the function), the base frozen."""
     import torch.distributed as dist
     from model_harness import clean_name, make_batch, parallel_step, reference_step, small_args
 
@@ -139,10 +142,25 @@ def model_equality(device, layout: dict, steps: int) -> dict:
     torch.manual_seed(0)
     ref = Transformer(args)
     ref.init_weights()
+    with torch.no_grad():  # sharp attention: a head on the wrong rank or stage moves the loss
+        for layer in ref.layers.values():
+            layer.attention.wq.weight.mul_(4), layer.attention.wk.weight.mul_(4)
+    lora_options = None
+    if lora:
+        from titan_ulysses.distributed.lora import LoRAOptions, apply_lora, init_lora
+
+        lora_options = LoRAOptions(rank=4, alpha=8.0)
+        apply_lora(ref, lora_options, torch.float32)
+        init_lora(ref, seed=1)
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if name.endswith("lora_B"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     ref.to(device)
     with torch.device("meta"):
         model = Transformer(args)
-    parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32))
+    parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32, lora=lora_options, **(options or {})))
     model.to_empty(device=device)
     model.init_buffers(device)
     load_full_state_dict(model, ref.state_dict())
@@ -171,7 +189,11 @@ def model_equality(device, layout: dict, steps: int) -> dict:
         worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
         ref_params = dict(ref.named_parameters())
         for name, p in model.named_parameters():
-            worst["grad"] = max(worst["grad"], shard_err(p.grad, ref_params[clean_name(name)].grad))
+            ref_grad = ref_params[clean_name(name)].grad
+            if (p.grad is None) != (ref_grad is None):
+                raise AssertionError(f"{name}: a gradient on one side only (frozen parameters must match)")
+            if ref_grad is not None:
+                worst["grad"] = max(worst["grad"], shard_err(p.grad, ref_grad))
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
     for name, p in model.named_parameters():

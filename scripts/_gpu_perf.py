@@ -66,7 +66,9 @@ def bench_attention_case(ctx):
             "detail": "% of the measured matmul rate, causal fwd+bwd, 4 q heads / 1 kv head, head_dim 128" + verdict}
 
 
-def train_cell(config: str, compile_on: bool, precision: str, ac: str, extra: list[str], seq_len: int):
+def train_cell(config: str, compile_on: bool, precision: str, ac: str, extra: list[str], seq_len: int,
+               steps: tuple[int, int] = (7, 3)):
+    """One bench cell: train.py for ``steps[0]`` steps, the first ``steps[1]`` dropped, medians."""
     def run(ctx):
         if precision == "float8":
             if ctx.cuda and torch.cuda.get_device_capability() < (8, 9):
@@ -75,8 +77,8 @@ def train_cell(config: str, compile_on: bool, precision: str, ac: str, extra: li
                 import torchao  # noqa: F401
             except ImportError:
                 raise Skip("torchao is not installed (carry it: scripts/gpu_wheels.sh)")
-        steps, warmup = (3, 1) if ctx.dry_run else (7, 3)
-        overrides = ["--training.steps", str(steps), "--activation_checkpoint.mode", ac,
+        n_steps, warmup = (3, 1) if ctx.dry_run else steps
+        overrides = ["--training.steps", str(n_steps), "--activation_checkpoint.mode", ac,
                      "--training.mixed_precision_param", "bfloat16", "--training.global_batch_size", "-1",
                      "--training.local_batch_size", "1", *SYNTHETIC]
         if ctx.dry_run:  # the cell's plumbing at toy size; compile is covered by the correctness part
@@ -101,7 +103,7 @@ def train_cell(config: str, compile_on: bool, precision: str, ac: str, extra: li
                    "step_s": (128 if ctx.dry_run else seq_len) / (tps * world),
                    "a2a_model_s": rows[-1].get("a2a_model_sec")}
         return {"status": "measured", "figures": figures,
-                "detail": f"{steps} steps, first {warmup} dropped, medians, local batch 1; a2a_model_s: the "
+                "detail": f"{n_steps} steps, first {warmup} dropped, medians, local batch 1; a2a_model_s: the "
                           f"modelled all-to-all time of a real sp=8 step at comm.link_bandwidth_gbps (not in step_s)"}
 
     return run
@@ -241,6 +243,12 @@ def longest(config_name: str, extra: list[str], lengths: tuple[int, int], target
                           f"{'met' if met else 'not met'} by this extrapolation"}
 
     return run
+
+
+def cell_steps(compile_on: bool, precision: str, ac: str, extra: tuple = ()):
+    """The 8B 128K cell on a simulated rank of sp=8 in fewer steps (the short parts: 5 and 2 compiled, 4 and 1 eager)."""
+    return train_cell(os.path.join(CONFIGS, "llama3_8b_128k.toml"), compile_on, precision, ac, [*SIM8, *extra],
+                      128 * 1024, steps=(5, 2) if compile_on else (4, 1))
 
 
 K = 1024

@@ -1,13 +1,17 @@
-"""The GPU suite: every CUDA path checked and every performance target measured, in three parts.
+"""The GPU suite: every CUDA path checked and every performance target measured.
 
     bash scripts/gpu_wheels.sh                      # here, once: wheels the GPU machine lacks -> .whl/
+    python scripts/gpu_suite.py --part first --out DIR     # what proves the most: 450 s on an H100
+    python scripts/gpu_suite.py --part second --out DIR    # what did not fit: 180 s on a started machine
     python scripts/gpu_suite.py --part correctness --out DIR
     python scripts/gpu_suite.py --part bench --out DIR
     python scripts/gpu_suite.py --part limits --out DIR
     python scripts/gpu_suite.py --part all --dry-run --out DIR     # every case at toy size on CPU (CI)
 
-Each part runs its cases in order of importance within ``--budget`` seconds (default 500,
-so that a part ends inside a 10-minute GPU session with start-up to spare): a case whose
+``first``, ``second`` and ``rest`` (``_gpu_first.py``) are for GPU windows of 15 minutes;
+``first.json`` holds ``planned_s``, the sum of the cases' estimates plus the start-up.
+Each part runs its cases in order of importance within ``--budget`` seconds (default: the
+part's own, ``_gpu_first.BUDGETS``, else 500): a case whose
 estimated time no longer fits is skipped and reported as skipped, never silently left
 out. After every case the part rewrites ``DIR/<part>.json`` (so a killed run keeps what it
 measured) and ``DIR/<part>.md``, a table to paste into docs/benchmarks.md.
@@ -53,7 +57,8 @@ def _cell(v) -> str:
 def markdown(part: str, header: dict, results: list[dict]) -> str:
     lines = [f"### GPU suite, part `{part}`", "",
              f"Device: {header['device']}. Command: `{header['command']}`. "
-             f"Budget {header['budget_s']:.0f} s, used {header.get('elapsed_s', 0):.0f} s.", "",
+             f"Budget {header['budget_s']:.0f} s (planned {header.get('planned_s', 0):.0f} s), "
+             f"used {header.get('elapsed_s', 0):.0f} s.", "",
              "| case | status | s | figures | detail |", "| --- | --- | --- | --- | --- |"]
     for r in results:
         figures = _cell(r.get("figures", {})).replace("|", "/")
@@ -102,16 +107,25 @@ def run_part(part: str, cases: list[Case], ctx: Context, header: dict) -> list[d
 
 def parts() -> dict[str, list[Case]]:
     import _gpu_correctness
+    import _gpu_first
     import _gpu_perf
 
-    return {"correctness": _gpu_correctness.CASES, "bench": _gpu_perf.BENCH_CASES, "limits": _gpu_perf.LIMIT_CASES}
+    return {**_gpu_first.parts(), "correctness": _gpu_correctness.CASES, "bench": _gpu_perf.BENCH_CASES,
+            "limits": _gpu_perf.LIMIT_CASES}
+
+
+def planned_s(part: str, cases: list[Case]) -> float:
+    """The part's plan on an H100: its cases' estimates, plus the start-up for the short parts."""
+    from _gpu_first import BUDGETS, OVERHEAD_S
+
+    return sum(c.est_s for c in cases) + (OVERHEAD_S if part in BUDGETS else 0)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["correctness", "bench", "limits", "all"])
+    p.add_argument("--part", choices=["first", "second", "rest", "correctness", "bench", "limits", "all"])
     p.add_argument("--out", default="outputs/gpu_suite")
-    p.add_argument("--budget", type=float, default=500.0, help="seconds per part")
+    p.add_argument("--budget", type=float, default=None, help="seconds per part (default: the part's own, else 500)")
     p.add_argument("--dry-run", action="store_true", help="toy sizes on CPU: checks that every case runs")
     p.add_argument("--only", default="", help="comma-separated case names (default: all of the part)")
     p.add_argument("--trial", default="", help=argparse.SUPPRESS)  # internal: one memory trial (see _gpu_perf)
@@ -123,7 +137,9 @@ def main(argv=None) -> int:
     if not a.part:
         p.error("--part is required")
     only = set(filter(None, a.only.split(",")))
-    chosen = list(parts()) if a.part == "all" else [a.part]
+    from _gpu_first import BUDGETS
+
+    chosen = ["correctness", "bench", "limits"] if a.part == "all" else [a.part]
     unknown = sorted(only - {c.name for part in chosen for c in parts()[part]})
     if unknown:  # before any GPU time is spent on a typo
         p.error(f"--only: no case {', '.join(unknown)} in --part {a.part}; its cases: "
@@ -137,11 +153,14 @@ def main(argv=None) -> int:
     failed = False
     for part in chosen:
         cases = [c for c in parts()[part] if not only or c.name in only]
-        ctx = Context(device=device, dry_run=a.dry_run, out=a.out, deadline=time.monotonic() + a.budget)
-        header = {"part": part, "device": device_line(device), "dry_run": a.dry_run, "budget_s": a.budget,
+        budget = a.budget if a.budget is not None else BUDGETS.get(part, 500.0)
+        ctx = Context(device=device, dry_run=a.dry_run, out=a.out, deadline=time.monotonic() + budget)
+        header = {"part": part, "device": device_line(device), "dry_run": a.dry_run, "budget_s": budget,
+                  "planned_s": planned_s(part, cases), "planned": {c.name: c.est_s for c in cases},
                   "command": "python scripts/gpu_suite.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "date": time.strftime("%Y-%m-%d")}
-        print(f"[{part}] device: {header['device']}{' (dry run, toy sizes)' if a.dry_run else ''}", flush=True)
+        print(f"[{part}] device: {header['device']}{' (dry run, toy sizes)' if a.dry_run else ''}; planned "
+              f"{header['planned_s']:.0f} s on an H100 of a {budget:.0f} s budget", flush=True)
         results = run_part(part, cases, ctx, header)
         failed |= any(r["status"] in ("fail", "error") for r in results)
     return 1 if failed else 0

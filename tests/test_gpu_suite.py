@@ -24,23 +24,28 @@ DRY = {
                     "attn_flex_docs_window_softcap", "attn_flash_attn_docs_window_softcap", "attn_sdpa_cp4_docs_window",
                     "attn_flex_cp4_docs_window_softcap", "attn_sdpa_priority_auto", "multiprocess_one_gpu",
                     "full_offload_equals_full", "compile_one_step", "float8_rowwise", "trainer_1b_sp1"],
-    "bench": ["bench_attention", "bench_packed_128k", "8b_128k_sim8_compile_bf16_full"],
+    "bench": ["bench_attention", "bench_packed_128k"],
     "limits": ["estimate_validate_8b_32k", "longest_1b_one_gpu"],
+}
+# the short parts' own case functions (their other cases are the long parts' functions, run above);
+# second's cell runs train_cell, the bench cells' function
+DRY_SHORT = {
+    "first": ["features_multirank", "moe_grouped_mm_bf16", "families_bf16", "headline_8b_128k_sim8_compile_bf16_selective",
+              "limits_6m_staged_two_layers_1m"],
+    "second": ["8b_128k_sim8_compile_bf16_full_offload"],
 }
 # CUDA-only kernels and packages the CPU machine lacks: the only skips a dry run may report
 MAY_SKIP = {"attn_sdpa_cudnn": "CUDA kernel", "attn_flash_attn_pkg": "not installed",
             "attn_flash_attn_docs_window_softcap": "not installed"}
 
 
-@pytest.mark.slow
-def test_dry_run_runs_every_case_function(tmp_path):
-    # one launch for the three parts (each part still gets its own budget and report)
+def _dry_run(tmp_path, part: str, dry: dict):
     proc = subprocess.run(
-        [sys.executable, "scripts/gpu_suite.py", "--part", "all", "--dry-run", "--out", str(tmp_path),
-         "--budget", "900", "--only", ",".join(name for names in DRY.values() for name in names)],
+        [sys.executable, "scripts/gpu_suite.py", "--part", part, "--dry-run", "--out", str(tmp_path),
+         "--budget", "900", "--only", ",".join(name for names in dry.values() for name in names)],
         cwd=ROOT, capture_output=True, text=True, timeout=1800,
     )
-    for part, names in DRY.items():
+    for part, names in dry.items():
         report = json.loads((tmp_path / f"{part}.json").read_text())
         rows = {r["name"]: r for r in report["results"]}
         assert sorted(rows) == sorted(names), proc.stderr[-2000:]
@@ -54,7 +59,31 @@ def test_dry_run_runs_every_case_function(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("part", ["correctness", "bench", "limits"])
+@pytest.mark.slow
+def test_dry_run_runs_every_case_function(tmp_path):
+    _dry_run(tmp_path, "all", DRY)  # one launch for the three long parts (each with its own budget and report)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", list(DRY_SHORT))
+def test_short_parts_dry_run(tmp_path, part):
+    _dry_run(tmp_path, part, {part: DRY_SHORT[part]})
+
+
+def test_short_parts_fit_their_gpu_windows():
+    """first: 450 s on an H100 (wheel install and start-up included); second: 180 s on a started machine.
+    Planned from each case's estimate; every case is a name the part's report will show."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import gpu_suite
+
+    limits = {"first": 450, "second": 180}
+    for part, limit in limits.items():
+        cases = gpu_suite.parts()[part]
+        assert 0 < gpu_suite.planned_s(part, cases) <= limit, (part, gpu_suite.planned_s(part, cases))
+        assert len({c.name for c in cases}) == len(cases)
+
+
+@pytest.mark.parametrize("part", ["first", "second", "correctness", "bench", "limits"])
 def test_a_misspelt_case_is_refused_before_any_work(part, capsys):
     """A misspelt ``--only`` name is refused at once (exit 2, the part's cases listed), not found out
     after the GPU machine has started; every listed name is accepted."""

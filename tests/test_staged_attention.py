@@ -22,6 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from dist_utils import assert_close, run_distributed
 from model_harness import assert_blocks_match, assert_step_matches, build_pair, make_batch, small_args
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
+from titan_ulysses.distributed.compile import apply_compile
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.staged_attention import apply_head_stages, check_head_stages, stage_plans
 from titan_ulysses.distributed.ulysses import apply_ulysses
@@ -98,6 +99,27 @@ def test_compiled_staged_block_matches_plain_ulysses():
     # uneven 5/4 q heads on 3 kv heads, 2 stages: uneven exchanges, concatenated weight slices and rank 0's
     # local kv expansion inside the graph (kv replication is covered eagerly above; one compile is ~20 s)
     run_distributed(_compiled_staged_block_matches_plain, 2, dict(dim=72, n_heads=9, n_kv_heads=3), 2)
+
+
+def _compiled_layers_share_one_graph():
+    pd = ParallelDims(sp=2, world_size=dist.get_world_size())
+    pd.build_mesh("cpu")
+    torch.manual_seed(0)
+    model = Transformer(small_args(n_layers=2))
+    model.init_weights()
+    apply_ulysses(model, pd.get_mesh("sp"))  # checks slice lengths in the first layer only
+    apply_head_stages(model, 2)  # kept kernel outputs (the default)
+    apply_ac(model, "full")
+    apply_compile(model)
+    tokens = torch.randint(0, model.args.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    # every layer must reuse the first layer's graph: a per-layer guard (a module's identity, a flag
+    # of the first layer) recompiles each of them, and 32 layers pass the recompile limit (fullgraph: a crash)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        model(tokens, positions=torch.arange(8)[None] + 8 * dist.get_rank()).sum().backward()
+
+
+def test_compiled_staged_layers_share_one_graph():
+    run_distributed(_compiled_layers_share_one_graph, 2)
 
 
 def test_stage_plans_cover_each_rank_heads_once():

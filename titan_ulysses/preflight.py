@@ -76,7 +76,8 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     try:
         dims = ParallelDims(
             dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            cp=p.context_parallel_degree, sp=p.ulysses_degree, tp=p.tensor_parallel_degree, world_size=world_size,
+            cp=p.context_parallel_degree, sp=p.ulysses_degree, tp=p.tensor_parallel_degree,
+            ep=p.expert_parallel_degree, world_size=world_size,
         )
     except ValueError as e:
         raise ConfigError(f"parallelism: {e}") from e

@@ -61,6 +61,7 @@ RANGES: dict[str, tuple] = {
 EXEMPT = {
     "parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
     "parallelism.ulysses_degree", "parallelism.tensor_parallel_degree", "parallelism.context_parallel_degree",
+    "parallelism.expert_parallel_degree",
     "training.global_batch_size",  # -1 or a positive multiple of local batch x dp (validate)
 }
 

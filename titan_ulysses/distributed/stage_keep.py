@@ -40,7 +40,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from titan_ulysses.ops.attention import save_ops as attention_save_ops
 
-__all__ = ["stage_contexts"]
+__all__ = ["compiled_stage_contexts", "stage_contexts"]
 
 
 def _detached(x):
@@ -104,3 +104,11 @@ def stage_contexts(module, stage: int):
     store: dict = {}
     kept[(gid, stage)] = store
     return _Record(ops, store), _Replay(set(), module, stage)
+
+
+def compiled_stage_contexts():
+    """``context_fn`` under torch.compile, where the contexts run once while AOT traces the block: what
+    :func:`stage_contexts` then returns, without the module (a per-layer object in a compiled frame's
+    arguments makes dynamo guard on its identity: one recompile per layer, past the recompile limit)."""
+    enclosed = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    return create_selective_checkpoint_contexts(functools.partial(_policy, set() if enclosed else attention_save_ops()))

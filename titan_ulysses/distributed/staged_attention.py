@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from titan_ulysses.distributed.heads import HeadPlan, head_plan, is_even
-from titan_ulysses.distributed.stage_keep import stage_contexts
+from titan_ulysses.distributed.stage_keep import compiled_stage_contexts, stage_contexts
 from titan_ulysses.distributed.ulysses import UlyssesAttention, head_to_seq, head_to_seq_uneven, seq_to_head, \
     seq_to_head_uneven
 from titan_ulysses.models.decoder.attention import HeadAttention
@@ -166,8 +166,11 @@ class HeadStagedAttention:
             inner._check_slice(x)
         out = None
         for g, plan in enumerate(plans):
-            keep = {"context_fn": functools.partial(stage_contexts, self, g)} if self.stage_keep_attention else {}
-            part = checkpoint(self._stage, x, rope[0], rope[1], attention_mask, plan,
+            keep = {}
+            if self.stage_keep_attention:  # compiled: nothing per layer in the frame (no per-layer guard)
+                keep["context_fn"] = (compiled_stage_contexts if torch.compiler.is_compiling()
+                                      else functools.partial(stage_contexts, self, g))
+            part = checkpoint(_run_stage, self, x, rope[0], rope[1], attention_mask, plan,
                               use_reentrant=False, preserve_rng_state=False, **keep)  # [B, S/P, D]
             out = part if out is None else out + part  # [B, S/P, D]
         return out if proj.o.bias is None else out + proj.o.bias  # once, not once per stage
@@ -205,6 +208,12 @@ class HeadStagedAttention:
         q, k, v = seq_to_head_uneven(q, k, v, packed, inner.group, inner.rank)  # [B, S, h_r, Dh]
         out = self._attend(inner.local_attention, plan, inner.rank, q, k, v, attention_mask, kwargs)
         return head_to_seq_uneven(out, packed, inner.group)
+
+
+def _run_stage(module, x, cos, sin, attention_mask, plan):
+    """A stage through a free function: a bound method given to checkpoint makes dynamo guard on the
+    module's identity (one recompile per layer; 32 layers pass the recompile limit under fullgraph)."""
+    return module._stage(x, cos, sin, attention_mask, plan)
 
 
 @functools.lru_cache(maxsize=None)
