@@ -5,7 +5,8 @@
 
 The weights are written in the dtype they came in: a run started from a Hugging Face folder
 exports that folder's config.json dtype, a run from scratch the dtype of its saved parameters
-(float32); --dtype overrides (e.g. bfloat16 for a smaller folder).
+(float32); --dtype overrides (e.g. bfloat16 for a smaller folder). The checkpoint is verified
+against its manifest first: a damaged one is refused, nothing is written.
 
 Every checkpoint records the model arguments it was trained with (``model_args.json``)
 and, for runs started from a Hugging Face folder, that folder's config.json and tokenizer
@@ -77,8 +78,9 @@ def main(argv=None) -> int:
             written = export_peft_adapter(a.checkpoint, a.output, a.base_model)
             print(f"wrote {a.output}: {', '.join(written)}")
             return 0
-        dtype = getattr(torch, a.dtype) if a.dtype else source_dtype(a.checkpoint)
+        dtype = getattr(torch, a.dtype) if a.dtype else None  # None: export_hf takes source_dtype's, once verified
         written = export_hf(a.checkpoint, args, a.output, dtype, a.max_position_embeddings, a.max_shard_size)
+        dtype = dtype or source_dtype(a.checkpoint)
     except (OSError, ValueError) as e:
         print(f"export_hf: {e}", file=sys.stderr)
         return 2

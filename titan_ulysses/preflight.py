@@ -36,6 +36,7 @@ import os
 from titan_ulysses.checkpoint.hf import check_hf_weights
 from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
 from titan_ulysses.checkpoint.manager import complete_steps
+from titan_ulysses.checkpoint.verify import ALL
 from titan_ulysses.checkpoint.weight_source import (
     adopt_start_record,
     damaged_checkpoints,
@@ -188,7 +189,8 @@ def load_tokenizer(config: JobConfig):
 
 def plan(config: JobConfig, world_size: int, device_gib: float | None = None) -> str:
     """Every pre-launch check for ``world_size`` ranks; the plan as text, or a ConfigError / DataError."""
-    record_note = adopt_start_record(config)  # as the trainer: the start checkpoint may give the architecture
+    # as the trainer: the start checkpoint may give the architecture; verified whole here (one process)
+    record_note = adopt_start_record(config, shards=ALL)
     dims = validate(config, world_size)
     check_files(config)
     tokenizer = load_tokenizer(config)

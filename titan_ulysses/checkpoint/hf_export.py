@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_ulysses.checkpoint.hf_adapter import hf_tensors, join, our_shapes, ours_to_theirs
 from titan_ulysses.checkpoint.lora_export import merge, pop_adapters, scaling_of
 from titan_ulysses.checkpoint.steps import missing_checkpoint
+from titan_ulysses.checkpoint.verify import verify_checkpoint
 from titan_ulysses.models.families.common import rope_config
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
 from titan_ulysses.models.registry import get_family
@@ -243,11 +244,13 @@ def export_hf(checkpoint_dir: str, args: LlamaArgs | None, output_dir: str, dtyp
               max_position_embeddings: int = 131072, max_shard_size: int = 5 * 2**30) -> list[str]:
     """Write a Hugging Face folder for ``checkpoint_dir``; ``args`` None reads them from its record.
 
-    ``dtype`` None writes the dtype the weights came in (``source_dtype``). Returns the names of
+    ``dtype`` None writes the dtype the weights came in (``source_dtype``). Verifies the checkpoint
+    against its manifest before reading anything (``verify.py``). Returns the names of
     the files written.
     """
     from safetensors.torch import save_file
 
+    verify_checkpoint(checkpoint_dir, "--checkpoint")  # nothing is read from a checkpoint that fails it
     if dtype is None:
         dtype = source_dtype(checkpoint_dir)
 
