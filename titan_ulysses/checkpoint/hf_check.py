@@ -159,3 +159,14 @@ def check_hf_weights(folder: str, args: LlamaArgs) -> None:
     _check_dtypes(found, expected)
     _check_unused(found, expected, args)
 
+
+def weights_dtype(folder: str) -> str | None:
+    """The dtype the folder's float weights are stored in (the widest, when mixed), e.g. ``"float32"``;
+    None when the folder has no safetensors, or one that cannot be read (a checkpoint's commit records
+    this, and must not fail on a folder the run only took its architecture from)."""
+    try:
+        stored = read_headers(folder).values() if glob.glob(os.path.join(folder, "*.safetensors")) else ()
+    except (OSError, ValueError):
+        return None
+    dtypes = {FLOATS[s.dtype] for s in stored if s.dtype in FLOATS}
+    return str(max(dtypes, key=lambda d: d.itemsize)).removeprefix("torch.") if dtypes else None
