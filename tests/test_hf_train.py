@@ -102,7 +102,7 @@ def test_continue_training_export_round_trip(trained, tmp_path):
     proc = subprocess.run([sys.executable, "scripts/export_hf.py", "--checkpoint", str(step), "--output", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "(float32, the dtype the weights came in)" in proc.stdout, proc.stdout
+    assert "(float32, the dtype of the source weights)" in proc.stdout, proc.stdout
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     assert type(exported).__name__ == "LlamaForCausalLM"
     ours, theirs = exported.state_dict(), hf_model.state_dict()
