@@ -94,10 +94,14 @@ def test_a_chat_template_that_does_not_parse_is_named_with_its_line(folder, corp
                            f"(TemplateSyntaxError: "), line
 
 
-def test_a_template_with_generation_tags_still_parses(folder):
-    from titan_ulysses.data.chat import ChatTemplate
+def test_a_template_with_generation_tags_still_parses_in_a_fresh_process():
+    """In a process that has not imported transformers (which imports jinja2.ext), as a launch's is."""
+    import subprocess
 
-    ChatTemplate("{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}")
+    code = ("import sys; from titan_ulysses.data.chat import ChatTemplate; assert 'transformers' not in sys.modules; "
+            "ChatTemplate(\"{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}\")")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_a_tokenizer_config_that_disagrees_with_the_tokenizer_is_refused(folder, tmp_path, capsys):

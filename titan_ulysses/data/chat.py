@@ -94,6 +94,7 @@ class ChatTemplate:
     def _jinja(self):
         if self._compiled is None:
             import jinja2
+            import jinja2.ext  # not imported by ``import jinja2``
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             def raise_exception(message):
@@ -116,7 +117,7 @@ class ChatTemplate:
 def _generation_tag():
     """``{% generation %}...{% endgeneration %}`` (transformers' marker of assistant output) as a plain
     block, so that templates using it parse here; transformers renders them itself."""
-    import jinja2
+    import jinja2.nodes
     from jinja2.ext import Extension
 
     class Generation(Extension):
