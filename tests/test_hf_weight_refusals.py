@@ -130,3 +130,18 @@ def test_an_index_naming_a_missing_shard_names_the_file(folders, tmp_path):
     (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": ')  # truncated
     assert _refusal(str(folder)).startswith(f"{folder}/model.safetensors.index.json is not a readable index "
                                             f"(JSONDecodeError: ")
+
+
+def test_a_file_beside_the_index_is_not_the_models_unless_it_clashes(folders, tmp_path):
+    """Mistral's repositories ship consolidated.safetensors (its own names) beside the sharded files:
+    transformers reads only what the index names, and so does the check; a clashing name is refused."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "sharded"
+    shutil.copytree(folders / "sharded", folder)
+    save_file({"layers.0.attention.wq.weight": torch.zeros(64, 64)}, str(folder / "consolidated.safetensors"))
+    check_hf_weights(str(folder), load_hf_args(str(folder)))
+    save_file({"model.norm.weight": torch.zeros(64)}, str(folder / "consolidated.safetensors"))
+    assert _refusal(str(folder)) == (
+        f"{folder}/consolidated.safetensors, which model.safetensors.index.json does not name, holds "
+        f"'model.norm.weight' too (the loader reads every *.safetensors file of the folder): move it out of {folder}")

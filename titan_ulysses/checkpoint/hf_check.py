@@ -3,7 +3,9 @@
 Read from the headers alone (no weight is read, except the two tensors of a tied head
 below), before any process group; each refusal is one line naming the tensor and its file:
 
-* ``model.safetensors.index.json``: readable, and every file it names is in the folder;
+* ``model.safetensors.index.json``: readable, and every file it names is in the folder (other
+  files beside them, such as Mistral's ``consolidated.safetensors``, are not the model's, as for
+  transformers, unless they hold one of its names); no tensor name in two files;
 * every tensor config.json implies is there, with its shape; none of layers past
   ``num_hidden_layers``;
 * every tensor the model loads is a float of F32, BF16 or F16: an integer, float8 or otherwise
@@ -48,14 +50,14 @@ class Stored:
     file: str
 
 
-def _check_index(folder: str) -> None:
+def _index_files(folder: str) -> set[str] | None:
+    """The files ``model.safetensors.index.json`` names (each checked to be there); None without an index."""
     path = os.path.join(folder, INDEX)
     if not os.path.isfile(path):
-        return
+        return None
     try:
         with open(path) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = {name: file for name, file in weight_map.items()}
+            files = {name: file for name, file in json.load(f)["weight_map"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a readable index ({type(e).__name__}: {e}); download it again") from e
     for file in sorted(set(files.values())):
@@ -64,30 +66,47 @@ def _check_index(folder: str) -> None:
             example = next(name for name, f in files.items() if f == file)
             raise ValueError(f"{path} names {file} (for {count} tensor(s), e.g. {example!r}), which is not in "
                              f"{folder}; download that file again (an interrupted download?)")
+    return set(files.values())
+
+
+def _read(file: str) -> dict[str, Stored]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            return {key: Stored(tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype(), file)
+                    for key in f.keys()}
+    except Exception as e:  # SafetensorError (a truncated or garbled file) subclasses Exception only
+        raise ValueError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e}; truncated "
+                         f"by an interrupted copy?); download or copy it again") from e
 
 
 def read_headers(folder: str) -> dict[str, Stored]:
-    """Name -> shape, dtype and file of every tensor in the folder's ``*.safetensors`` (headers only)."""
-    from safetensors import safe_open
+    """Name -> shape, dtype and file of every tensor of the model's ``*.safetensors`` (headers only).
 
-    _check_index(folder)
+    With an index, the model is the files it names, as for transformers; another file beside them
+    (Mistral's ``consolidated.safetensors``, in its own names) is not part of it, but the loader
+    reads every file's header, so one that holds a name of the model's is refused.
+    """
+    listed = _index_files(folder)
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{folder!r} has no *.safetensors weights")
     found: dict[str, Stored] = {}
+    outside = []
     for file in files:
-        try:
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    part = f.get_slice(key)
-                    if key in found:
-                        raise ValueError(f"{file} and {found[key].file} both hold {key!r}; remove the stale file")
-                    found[key] = Stored(tuple(part.get_shape()), part.get_dtype(), file)
-        except ValueError:
-            raise
-        except Exception as e:  # SafetensorError (a truncated or garbled file) subclasses Exception only
-            raise ValueError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e}; truncated "
-                             f"by an interrupted copy?); download or copy it again") from e
+        if listed is not None and os.path.basename(file) not in listed:
+            outside.append(file)
+            continue
+        for key, stored in _read(file).items():
+            if key in found:
+                raise ValueError(f"{file} and {found[key].file} both hold {key!r}; remove the stale file")
+            found[key] = stored
+    for file in outside:
+        clash = sorted(set(_read(file)) & set(found))
+        if clash:
+            raise ValueError(f"{file}, which {INDEX} does not name, holds {clash[0]!r} too (the loader reads every "
+                             f"*.safetensors file of the folder): move it out of {folder}")
     return found
 
 
