@@ -100,7 +100,6 @@ def adopt_start_record(config, shards: tuple[int, int] | None = None) -> str | N
     ``model.flavor``; a mismatch is refused by the shape check, naming the flavor recorded.
     """
     from titan_ulysses.checkpoint.hf_export import ASSETS
-
     from titan_ulysses.checkpoint.steps import missing_checkpoint
     from titan_ulysses.checkpoint.verify import verify_checkpoint
 
