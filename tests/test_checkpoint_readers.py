@@ -83,20 +83,35 @@ def test_adapter_only_export_of_a_missing_path_says_it_does_not_exist(good, tmp_
     assert err == [f"export_hf: '{missing}' does not exist; the complete checkpoints in {good.parent} are step-1"], err
 
 
-def test_evals_refuse_a_flipped_checkpoint_before_any_process_group(flipped, tmp_path):
+DAMAGES = {  # the report's ten eval cases, per script: damage(step folder) -> the reason the refusal gives
+    "flipped_shard": lambda d: (flip(d / "__0_0.distcp"), _why(d))[1],
+    "missing_shard": lambda d: (os.remove(d / "__1_0.distcp"), f"{d}/__1_0.distcp is missing")[1],
+    "truncated_shard": lambda d: (os.truncate(d / "__0_0.distcp", 100),
+                                  f"{d}/__0_0.distcp has 100 bytes, the manifest says")[1],
+    "broken_model_args": lambda d: ((d / "model_args.json").write_text("{"),
+                                    f"{d}/model_args.json has 1 bytes, the manifest says")[1],
+    "no_manifest": lambda d: (os.remove(d / "manifest.json"), f"{d} has no manifest.json, so it cannot be verified")[1],
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_evals_refuse_a_damaged_checkpoint_before_any_process_group(good, tmp_path, damage):
     """The script's SystemExit(message) is the one line ``python scripts/eval_*.py`` prints."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import eval_long
     import eval_needle
 
+    step = tmp_path / "damaged" / "step-1"
+    shutil.copytree(good, step)
+    reason = DAMAGES[damage](step)
     (tmp_path / "held_out.txt").write_text("some text " * 100)
     for main, extra, prefix in ((eval_needle.main, [], ""),
                                 (eval_long.main, ["--data", str(tmp_path / "held_out.txt")], "eval_long: ")):
         with pytest.raises(SystemExit) as e:
-            main(["--config", CONFIG, "--checkpoint", str(flipped), "--parallelism.ulysses_degree", "1", *extra])
-        assert e.value.code == (f"{prefix}--checkpoint: checkpoint {flipped} fails verification: {_why(flipped)}; "
-                                f"nothing was read from it: point --checkpoint at another step-N (or restore this "
-                                f"one from a good copy)"), e.value.code
+            main(["--config", CONFIG, "--checkpoint", str(step), "--parallelism.ulysses_degree", "1", *extra])
+        message = e.value.code
+        assert isinstance(message, str) and "\n" not in message, message
+        assert message.startswith(f"{prefix}--checkpoint: checkpoint {step} fails verification: {reason}"), message
         assert not dist.is_initialized()
 
 
