@@ -6,8 +6,8 @@
 runs every check a launch makes for N ranks, without a process group, prints the plan and
 exits 0, or prints the one-line refusal and exits 2 (``titan_ulysses/preflight.py``'s ``plan``).
 
-A configuration error, a dump folder in use by another run, or a run whose checkpoints are all
-damaged ends every rank with exit code 2 and one line on stderr, printed by rank 0 only (every rank finds the same error; the others wait
+A configuration error, a dump folder in use by another run, a run whose checkpoints are all
+damaged, or a start checkpoint (``checkpoint.initial_load_path``) that fails verification ends every rank with exit code 2 and one line on stderr, printed by rank 0 only (every rank finds the same error; the others wait
 a moment so that rank 0 is the failure torchrun reports). Under torchrun
 the launcher then reports the failed workers (``exitcode: 2``) and exits 1 itself: torchrun
 exits 1 whenever a worker fails.
@@ -90,6 +90,7 @@ def main(argv: list[str]) -> int:
 
     from titan_ulysses.checkpoint.errors import RunRefused  # a folder in use, every checkpoint damaged
     from titan_ulysses.checkpoint.lora_export import AdapterMismatchError
+    from titan_ulysses.checkpoint.verify import UntrustedCheckpointError  # initial_load_path, a resume step
 
     previous = {sig: signal.signal(sig, _preempted) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
@@ -109,7 +110,7 @@ def main(argv: list[str]) -> int:
         print(f"{e} {PREEMPTED_NOTE}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(0)  # no teardown: peers may be inside a collective this rank will never join
-    except (ConfigError, DataError, RunRefused, AdapterMismatchError) as e:
+    except (ConfigError, DataError, RunRefused, AdapterMismatchError, UntrustedCheckpointError) as e:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if os.environ.get("RANK", "0") == "0":

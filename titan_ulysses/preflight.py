@@ -7,8 +7,8 @@ parallelism layout, this machine or the files the settings name is here:
 * ``validate(config, world_size)``: the layout (``ParallelDims``), the heads and sequence
   length for it, the attention and float8 settings; reads the model's config.json when
   ``model.hf_assets_path`` is set (through ``models/resolve.py``);
-* ``check_files(config)``: the tokenizer file, the Hugging Face weights' safetensors
-  headers, the DCP metadata of ``checkpoint.initial_load_path``.
+* ``check_files(config)``: the tokenizer files, the chat template of an SFT dataset, the
+  Hugging Face weights' safetensors headers, the DCP metadata of ``checkpoint.initial_load_path``.
 
 The trainer runs both before it joins the process group.
 
@@ -36,6 +36,7 @@ import os
 from titan_ulysses.checkpoint.hf import check_hf_weights
 from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
 from titan_ulysses.checkpoint.manager import complete_steps
+from titan_ulysses.checkpoint.verify import ALL
 from titan_ulysses.checkpoint.weight_source import (
     adopt_start_record,
     damaged_checkpoints,
@@ -146,7 +147,12 @@ def check_files(config: JobConfig) -> None:
             raise ConfigError(f"model.{'tokenizer_path' if m.tokenizer_path else 'hf_assets_path'}: {e}") from e
     # the file read whole (a broken tokenizer.json, no EOS, a garbage tiktoken file) and its ids
     # against the model's vocabulary, before any process group (issue 20)
-    model_args(config, load_tokenizer(config).vocab_size)
+    tokenizer = load_tokenizer(config)
+    model_args(config, tokenizer.vocab_size)
+    if any(kind == "sft" for _, kind, _ in _datasets(config)):  # the chat template parses (a DataError naming it)
+        from titan_ulysses.data.chat import load_chat_template
+
+        load_chat_template(config.training.chat_template, tokenizer)
     if hf_weights_wanted(config):
         try:
             check_hf_weights(m.hf_assets_path, args)
@@ -189,7 +195,8 @@ def load_tokenizer(config: JobConfig):
 
 def plan(config: JobConfig, world_size: int, device_gib: float | None = None) -> str:
     """Every pre-launch check for ``world_size`` ranks; the plan as text, or a ConfigError / DataError."""
-    record_note = adopt_start_record(config)  # as the trainer: the start checkpoint may give the architecture
+    # as the trainer: the start checkpoint may give the architecture; verified whole here (one process)
+    record_note = adopt_start_record(config, shards=ALL)
     dims = validate(config, world_size)
     check_files(config)
     tokenizer = load_tokenizer(config)
