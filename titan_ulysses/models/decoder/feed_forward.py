@@ -6,7 +6,10 @@ A block builds its feed-forward with its family's ``DecoderSpec.feed_forward``, 
 ``(out, aux)``: ``aux`` is a scalar loss term (a router's load-balancing loss), already
 scaled as its share of the step's loss; the block adds its gradient to backward
 (:func:`attach_aux_loss`) and returns ``out`` alone, so blocks stay ``h -> h`` through
-activation checkpointing, compile and FSDP. The default, :func:`dense`, is the gated MLP.
+activation checkpointing, compile and FSDP. A loss pooled over layers (transformers'
+load-balancing loss, ``models/moe/aux_loss.py``) comes through as each layer's share: any
+scalar whose gradient is that layer's part (it may read its coefficients in backward, once
+every layer has run). The default, :func:`dense`, is the gated MLP.
 """
 
 from __future__ import annotations
