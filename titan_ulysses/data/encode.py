@@ -19,7 +19,7 @@ import numpy as np
 
 from titan_ulysses.data.chat import ChatTemplate, assistant_spans
 from titan_ulysses.data.long_documents import encode_document
-from titan_ulysses.data.sources import DataError, text_field
+from titan_ulysses.data.sources import DataError, kind_of, text_field
 
 
 class TextEncoder:
@@ -73,7 +73,7 @@ class SFTEncoder:
             return self._chat(where, prompt + completion, len(prompt))
         for field, value in (("prompt", prompt), ("completion", completion)):
             if not isinstance(value, str):
-                raise DataError(f"{where}: field {field!r} is a {type(value).__name__}; "
+                raise DataError(f"{where}: field {field!r} is {kind_of(value)}; "
                                 f"a string (or, for both fields, a list of messages) is expected")
         tok = self.tokenizer
         p = ([tok.bos_id] if tok.bos_id is not None else []) + self._encode(prompt, where)  # Qwen has no BOS

@@ -144,7 +144,12 @@ def text_field(where, row, field: str = "text") -> str:
         return row
     value = row.get(field)
     if not isinstance(value, str):
-        found = "missing" if value is None else f"a {type(value).__name__}"
+        found = "missing" if field not in row else kind_of(value)
         raise DataError(f"{where}: field {field!r} is {found}; every row needs a string {field!r} "
                         f"(fields found: {sorted(row)})")
     return value
+
+
+def kind_of(value) -> str:
+    """How a row's value is named in a refusal: JSON's ``null``, else the Python type (``a list``)."""
+    return "null" if value is None else f"a {type(value).__name__}"
