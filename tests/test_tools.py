@@ -62,6 +62,17 @@ def test_plot_metrics_refuses_a_folder_without_metrics(tmp_path):
         plot_metrics.main([str(tmp_path / "bad")])
 
 
+def test_plot_metrics_skips_a_last_line_cut_short(tmp_path, capsys):
+    """A killed run leaves its last line half written: the run is still plotted, and the skip is said."""
+    _write_run(tmp_path / "killed", [_step(1, 5.0), _step(2, 4.0)])
+    with open(tmp_path / "killed" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 3.')
+    train, _ = plot_metrics.read_run(str(tmp_path / "killed"))
+    assert sorted(train) == [1, 2]
+    assert capsys.readouterr().err == (f"plot_metrics: {tmp_path / 'killed' / 'metrics.jsonl'}:3: skipped the last "
+                                       f"line, cut short (the run was stopped while writing it)\n")
+
+
 @pytest.mark.slow
 def test_estimate_memory_track_shows_a_progress_bar():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "estimate_memory.py"), "--config",
