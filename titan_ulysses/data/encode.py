@@ -64,8 +64,10 @@ class SFTEncoder:
             return self._chat(where, row["messages"], 0)
         if "prompt" not in row or "completion" not in row:
             missing = "completion" if "prompt" in row else "prompt"
+            hint = ("; a 'text' row is pretraining text: set the dataset of this file (training. or "
+                    "validation.dataset) to 'text'") if "text" in row and "prompt" not in row else ""
             raise DataError(f"{where}: field {missing!r} is missing; an SFT row needs 'prompt' and 'completion', "
-                            f"or 'messages' (fields found: {sorted(row)})")
+                            f"or 'messages' (fields found: {sorted(row)}){hint}")
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, list) and isinstance(completion, list):
             _check_messages(where, prompt, "prompt")
