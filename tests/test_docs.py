@@ -90,3 +90,20 @@ def test_troubleshooting_quote_for_nan_is_current():
         Trainer._nonfinite_step(run, float("nan"), 1.0, 1e-3)
     quoted = re.findall(r"`([^`]+)`", table)
     assert any(q in str(e.value) for q in quoted if q.startswith("loss is")), f"no row of the table quotes: {e.value}"
+
+
+def test_troubleshooting_maps_nan_at_step_1_to_config_json(tmp_path):
+    """A NaN at step 1 points at config.json's fields, and the pre-flight refusal of one is quoted."""
+    import json
+
+    table = re.split(r"^## \d+\. Troubleshooting", open(GUIDE).read(), flags=re.M)[1]
+    nan_row = next(row for row in table.splitlines() if row.startswith("| `loss is nan at step`"))
+    for field in ("At step 1", "config.json", "rms_norm_eps", "rope_theta", "rope_scaling", "factor"):
+        assert field in nan_row, field
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=128, vocab_size=320, rms_norm_eps=-1)))
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(["--model.hf_assets_path", str(tmp_path)]), 1)
+    quoted = re.findall(r"^\| `([^`]+)`", table, flags=re.M)
+    assert any(q in str(e.value) for q in quoted), f"no row of the table quotes: {e.value}"
