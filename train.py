@@ -10,7 +10,9 @@ A configuration error, a dump folder in use by another run, a run whose checkpoi
 damaged, or a start checkpoint (``checkpoint.initial_load_path``) that fails verification ends every rank with exit code 2 and one line on stderr, printed by rank 0 only (every rank finds the same error; the others wait
 a moment so that rank 0 is the failure torchrun reports). Under torchrun
 the launcher then reports the failed workers (``exitcode: 2``) and exits 1 itself: torchrun
-exits 1 whenever a worker fails.
+exits 1 whenever a worker fails. Its report ends with the same line (rank 0 writes it to
+torchrun's error file, which the report's ``traceback :`` field shows), so the refusal is both
+the first line of the failure and the last.
 """
 
 import os
@@ -81,6 +83,21 @@ def dry_run_options(argv: list[str]) -> tuple[list[str], dict | None]:
     return rest, {"world_size": options.get("--world-size", 1), "device_gib": options.get("--device-memory-gib")}
 
 
+def tell_launcher(line: str) -> None:
+    """Under torchrun, the refusal in the worker's error file: torchrun's closing report ("Root Cause ...
+    traceback :") then repeats it after its own ChildFailedError traceback, instead of a link to its docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass  # the line above on stderr stays the refusal
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         from titan_ulysses.config.help import format_help
@@ -116,9 +133,14 @@ def main(argv: list[str]) -> int:
         if os.environ.get("RANK", "0") == "0":
             kind = "config error" if isinstance(e, ConfigError) else "data error" if isinstance(e, DataError) else "refused"
             print(f"{kind}: {e}", file=sys.stderr, flush=True)
+            tell_launcher(f"{kind}: {e}")
         else:
             # Let rank 0 print and exit first: torchrun stops every worker at the first failure
-            # it sees, and would otherwise often stop rank 0 before it says why.
+            # it sees, and would otherwise often stop rank 0 before it says why. Its SIGTERM
+            # then ends this rank quietly, as start-up preemption does (exit 0): the refusal is
+            # rank 0's, and torchrun's report names it alone rather than this rank too.
+            for sig in previous:
+                signal.signal(sig, lambda signum, frame: os._exit(0))
             time.sleep(RANK0_FIRST_S)
         return EXIT_REFUSED
     trainer.train()

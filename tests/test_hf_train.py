@@ -251,9 +251,10 @@ def test_missing_tokenizer_is_one_line_once_exit_2(trained, tmp_path):
            "--model.hf_assets_path", trained[0], "--model.tokenizer", "hf", "--model.tokenizer_path", str(tmp_path),
            "--parallelism.ulysses_degree", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    refusal = f"config error: model.tokenizer_path: no tokenizer.json at '{tmp_path}/tokenizer.json'"
     lines = [line for line in proc.stderr.splitlines() if "config error" in line]
-    assert lines == [f"config error: model.tokenizer_path: no tokenizer.json at '{tmp_path}/tokenizer.json'"], (
-        proc.stderr[-2000:])
+    # printed once by rank 0, and repeated as the last line of torchrun's report (its "traceback :" field)
+    assert lines == [refusal, f"  traceback : {refusal}"], proc.stderr[-2000:]
     # no traceback from our code (torchrun prints its own ChildFailedError); the worker exited with 2
     assert "titan_ulysses/" not in proc.stderr and 'train.py", line' not in proc.stderr
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr

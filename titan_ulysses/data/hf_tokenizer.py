@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 
+from titan_ulysses.data.long_documents import hf_cut_rule
+
 
 def hf_tokenizer_file(path: str) -> str:
     """The tokenizer.json of ``path`` (the file itself or its folder); FileNotFoundError naming it otherwise."""
@@ -53,6 +55,9 @@ class HFTokenizer:
         except Exception as e:  # the Rust library raises a bare Exception
             raise ValueError(f"{file} is not a valid tokenizer.json ({e}); copy it again from the model's "
                              f"Hugging Face folder") from e
+        spec = json.loads(self._tok.to_str())
+        self.cut_rule = hf_cut_rule(spec)  # where a long text may be cut (data/long_documents.py)
+        self.added_texts = tuple(t["content"] for t in spec.get("added_tokens") or [])
         self._tok_config_path = os.path.join(folder, "tokenizer_config.json")
         tok_config = _read_json(self._tok_config_path)
         model_config = _read_json(os.path.join(folder, "config.json"))
