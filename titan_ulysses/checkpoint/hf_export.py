@@ -30,6 +30,7 @@ from titan_ulysses.checkpoint.steps import missing_checkpoint
 from titan_ulysses.checkpoint.verify import verify_checkpoint
 from titan_ulysses.models.decoder.args import DecoderArgs, RopeScaling
 from titan_ulysses.models.families.common import rope_config
+from titan_ulysses.models.moe.args import MoEArgs
 from titan_ulysses.models.registry import get_family
 
 RECORD = "model_args.json"
@@ -97,6 +98,8 @@ def read_model_record(step_dir: str) -> tuple[DecoderArgs, dict | None] | None:
     for key in ("rope_scaling", "local_rope_scaling"):
         if fields.get(key) is not None:
             fields[key] = RopeScaling(**fields[key])
+    if fields.get("moe") is not None:
+        fields["moe"] = MoEArgs(**fields["moe"])
     return get_family(fields.get("family", "llama")).args_class(**fields), record.get("hf_config")
 
 
