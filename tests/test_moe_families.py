@@ -107,3 +107,20 @@ def test_moe_names_round_trip(name):
     for key, w in saved.items():
         assert torch.equal(back[key], w), key
     assert dataclasses.asdict(args)["moe"]["num_experts"] == args.moe.num_experts
+
+
+def test_what_a_mixture_of_experts_cannot_combine_with_is_refused_in_one_line():
+    from titan_ulysses.models.moe.checks import check_moe
+
+    moe = args_from_hf_config(hf_moe("qwen3_moe").config.to_dict())  # 8 experts, layer 1 dense
+    dense = dataclasses.replace(moe, moe=None, moe_dense_layers=[])
+    check_moe(moe, 4, 1, ("q_proj", "o_proj"), "x")  # attention LoRA and a dividing ep: fine
+    for args, ep, tp, lora, message in [
+        (dense, 2, 1, None, "parallelism.expert_parallel_degree 2 needs a mixture-of-experts model; x has no experts"),
+        (moe, 3, 1, None, "parallelism.expert_parallel_degree 3 does not divide the 8 experts of x; use one of "
+                          "[1, 2, 4, 8]"),
+        (moe, 1, 2, None, "parallelism.tensor_parallel_degree 2 with a mixture of experts (x) is not supported"),
+        (moe, 1, 1, ("q_proj", "up_proj"), "lora.targets up_proj: LoRA on experts is not supported"),
+    ]:
+        with pytest.raises(ValueError, match="^" + __import__("re").escape(message)):
+            check_moe(args, ep, tp, lora, "x")

@@ -99,6 +99,7 @@ def check_compute(args: DecoderArgs, attn_backend: str, sdpa_backends: str = "au
     needs = [(cap, what) for cap, what, on in (
         ("window", f"sliding_window {args.sliding_window}", args.sliding_window),
         ("softcap", f"attn_logit_softcapping {args.attn_softcap}", args.attn_softcap),
+        ("sinks", "attention sinks", args.attn_sinks),
     ) if on]
     for cap, what in needs:
         if not getattr(backend, cap):
