@@ -1,8 +1,9 @@
 """The generic decoder's seams (models/decoder/): what a family may replace, and what must not move.
 
-* The feed-forward is built by the family's ``DecoderSpec.feed_forward`` (the mixture-of-experts
-  issue plugs its MLP there); one that returns an auxiliary loss beside its output has that loss's
-  gradient in backward, eager, under every activation checkpointing mode and compiled.
+* The feed-forward is built by the family's ``DecoderSpec.feed_forward`` (the mixture of experts
+  plugs its MLP there); one that returns statistics beside its output (a router's, for a loss
+  pooled over layers) has them summed over layers on the model, with their gradient path,
+  eager, under every activation checkpointing mode and compiled.
 * Checkpoint names (``layers.0.attention.wq.weight``, ...) and the records Gemma checkpoints
   were written with are unchanged.
 * A family is one file under ``models/families/`` and one line in its ``__init__.py``: no other
@@ -34,12 +35,12 @@ PACKAGE = os.path.join(ROOT, "titan_ulysses")
 
 
 class AuxDense(FeedForward):
-    """The dense MLP returning a toy auxiliary loss beside its output, as a router returns its balancing loss
-    (a function of the input and the weights)."""
+    """The dense MLP returning toy statistics beside its output, as a router returns its counts and
+    probabilities (a function of the input and the weights)."""
 
     def forward(self, x):
         out = super().forward(x)
-        return out, 0.05 * out.float().pow(2).mean()
+        return out, out.float().pow(2).mean()
 
 
 class RecordedDense(FeedForward):
@@ -79,9 +80,10 @@ def test_feed_forward_is_built_by_the_family_spec():
 
 
 @pytest.mark.parametrize("mode", ["none", "full", "full_groups", "selective", "compile"])
-def test_an_auxiliary_loss_reaches_backward(mode):
-    """Gradients of (loss + every layer's aux loss), with the aux loss returned through the seam, equal the
-    reference that adds the same terms to the loss by hand; and differ from the loss alone."""
+def test_feed_forward_statistics_reach_the_loss_with_their_gradient(mode):
+    """Statistics returned through the seam are summed over layers on the model (``router_stats``); a loss
+    term made of them has the gradients of the reference that adds the same terms by hand, and they
+    differ from the loss alone."""
     args = small_args(n_layers=3)
     torch.manual_seed(0)
     ref = Transformer(args, spec=DecoderSpec(feed_forward=_builder(RecordedDense)))
@@ -107,7 +109,9 @@ def test_an_auxiliary_loss_reaches_backward(mode):
     assert len(losses) == args.n_layers
     (lm + sum(losses)).backward()
 
-    (cross_entropy_sum(model(tokens), labels) / labels.numel()).backward()
+    lm_model = cross_entropy_sum(model(tokens), labels) / labels.numel()
+    torch.testing.assert_close(0.05 * model.router_stats, sum(losses).detach(), rtol=1e-6, atol=0)
+    (lm_model + 0.05 * model.router_stats).backward()
     grads = {n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): p.grad
              for n, p in model.named_parameters()}
     for name, p in ref.named_parameters():

@@ -10,16 +10,26 @@ BASE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hi
 
 
 @pytest.mark.parametrize("cfg, message", [
-    ({"model_type": "qwen3_moe", "num_experts": 8}, "model_type 'qwen3_moe' is a mixture-of-experts model "
-                                                    "(num_experts 8): not supported"),
-    ({"model_type": "mixtral", "num_local_experts": 8}, "model_type 'mixtral' is a mixture-of-experts model "
-                                                        "(num_local_experts 8)"),
+    ({"model_type": "deepseek_v3", "n_routed_experts": 256}, "model_type 'deepseek_v3' is a mixture-of-experts "
+                                                             "model (n_routed_experts 256) with multi-head latent "
+                                                             "attention: not supported (mixtures of experts here: "
+                                                             "gpt_oss, mixtral, qwen3_moe)"),
+    ({"model_type": "qwen3_next", "num_experts": 512}, "model_type 'qwen3_next' is a mixture-of-experts model "
+                                                       "(num_experts 512) with linear-attention (Gated DeltaNet) layers"),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+      "capacity_factor": 1.25}, "config.json capacity_factor 1.25: expert capacity drops tokens, so the result would "
+                                "depend on how tokens are batched and laid out"),
+    ({"model_type": "mixtral", "num_local_experts": 8, "router_jitter_noise": 0.01},
+     "config.json router_jitter_noise 0.01: random router noise is not supported; set it to 0"),
+    ({"model_type": "gpt_oss", "num_local_experts": 8, "num_experts_per_tok": 2,
+      "quantization_config": {"quant_method": "mxfp4"}}, "quantization_config 'mxfp4': the experts are quantized; "
+                                                         "use a dequantised (bf16) gpt-oss folder"),
     ({"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]},
      "layer_types contains 'linear_attention': state-space / linear-attention layers are not supported"),
     ({"model_type": "jamba", "mamba_d_state": 16}, "mamba_d_state 16: state-space / linear-attention layers"),
     ({"model_type": "falcon_mamba"}, "model_type 'falcon_mamba': state-space / linear-attention layers"),
     ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' is not supported (one of ['gemma2', 'gemma3_text', 'glm', "
-                                 "'llama', 'mistral', 'phi3', 'qwen2', 'qwen3'])"),
+                                 "'gpt_oss', 'llama', 'mistral', 'mixtral', 'phi3', 'qwen2', 'qwen3', 'qwen3_moe'])"),
     ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for model_type 'llama' (silu)"),
     ({"model_type": "llama", "attention_bias": True}, "attention_bias True is not supported for model_type 'llama'"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16},

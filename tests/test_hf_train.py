@@ -209,7 +209,7 @@ def test_refusals_name_the_setting_before_any_weight_is_read(trained, tmp_path, 
     make_hf_model(sw, "qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0))
     assert "model.hf_assets_path: use_sliding_window true (sliding_window 16)" in refusal(hf + [sw])
     for name, cfg, message in [
-        ("moe", {"model_type": "qwen3_moe", "num_experts": 8}, "model_type 'qwen3_moe' is a mixture-of-experts model"),
+        ("moe", {"model_type": "deepseek_v3", "n_routed_experts": 8}, "model_type 'deepseek_v3' is a mixture-of-experts model"),
         ("unknown", {"model_type": "gpt_neox"}, "model_type 'gpt_neox' is not supported (one of ["),
         ("hybrid", {"layer_types": ["linear_attention", "full_attention"]},
          "layer_types contains 'linear_attention': state-space / linear-attention layers are not supported"),

@@ -47,7 +47,7 @@ from titan_ulysses.checkpoint.weight_source import (
     fresh_source,
     hf_weights_wanted,
 )
-from titan_ulysses.config.job_config import JobConfig
+from titan_ulysses.config.job_config import JobConfig, parse_lora_targets
 from titan_ulysses.config.manager import ConfigError, check_config, check_requirements, resolved_global_batch_size
 from titan_ulysses.data.build import fewer_than_one_window
 from titan_ulysses.data.datasets import PasskeyDataset
@@ -65,6 +65,7 @@ from titan_ulysses.metrics.memory_estimate import GIB, estimate
 from titan_ulysses.metrics.loggers.wandb_logger import login_problem
 from titan_ulysses.metrics.memory_fit import from_config, memory_warning
 from titan_ulysses.models.hf_config import describe
+from titan_ulysses.models.moe.checks import check_moe
 from titan_ulysses.models.registry import check_compute
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.attention import check_attention_settings
@@ -103,6 +104,14 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         check_head_stages(p.ulysses_head_stages, args.n_heads, args.n_kv_heads, dims.sp, dims.tp)
     except ValueError as e:
         raise ConfigError(f"{e} ({source})") from e
+    try:
+        lora_targets = parse_lora_targets(config.lora.targets) if config.lora.rank > 0 else None
+        check_moe(args, dims.ep, dims.tp, lora_targets, source)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if p.ulysses_head_stages > 1 and args.attn_sinks:
+        raise ConfigError(f"parallelism.ulysses_head_stages {p.ulysses_head_stages} with attention sinks ({source}): "
+                          f"not implemented; set parallelism.ulysses_head_stages 1")
     if p.ulysses_head_stages > 1 and (config.lora.rank > 0 or config.float8.enable):
         other = "lora.rank > 0" if config.lora.rank > 0 else "float8.enable"
         raise ConfigError(f"parallelism.ulysses_head_stages {p.ulysses_head_stages} with {other}: the staged "

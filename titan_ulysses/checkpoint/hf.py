@@ -27,10 +27,12 @@ from titan_ulysses.checkpoint.hf_adapter import (  # noqa: F401 (interleaved_to_
     halves_to_interleaved,
     hf_tensors,
     interleaved_to_halves,
+    is_expert,
     split,
     theirs_to_ours,
 )
 from titan_ulysses.checkpoint.hf_check import check_hf_weights  # noqa: F401 (public here: what the loader needs)
+from titan_ulysses.checkpoint.hf_experts import ExpertReads
 from titan_ulysses.checkpoint.hf_export import export_hf, hf_config, read_model_weights  # noqa: F401
 
 
@@ -52,7 +54,11 @@ def load_hf_weights(model: nn.Module, folder: str, thread_count: int = 1) -> Non
     state = get_model_state_dict(model)  # LoRA adapters are not in the folder: they keep their values
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     hf_state, transformed = {}, {}
+    experts = ExpertReads(state)
     for theirs, parts in hf_tensors(args).items():
+        if is_expert(parts):  # only this rank's experts (hf_experts.py)
+            experts.plan(theirs, parts, hf_state)
+            continue
         ours, heads = parts[0]
         if len(parts) == 1 and not heads:
             hf_state[theirs] = state[ours]  # read straight into the (sharded) parameter
@@ -67,4 +73,5 @@ def load_hf_weights(model: nn.Module, folder: str, thread_count: int = 1) -> Non
     for theirs, parts in transformed.items():
         for (ours, heads), w in zip(parts, split(hf_state[theirs], parts, shapes)):
             state[ours] = _place_like(theirs_to_ours(w, heads, args), state[ours])
+    state.update(experts.finish(hf_state))
     set_model_state_dict(model, state, options=StateDictOptions(strict=True))

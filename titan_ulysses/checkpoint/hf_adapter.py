@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from titan_ulysses.models.decoder.args import DecoderArgs
-from titan_ulysses.models.registry import HFTensors, get_family
+from titan_ulysses.models.registry import ExpertPart, HFTensors, get_family
 
 
 def hf_tensors(args: DecoderArgs) -> HFTensors:
@@ -65,9 +65,34 @@ def join(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
+def part_name(part) -> str:
+    """Our tensor a part of a Hugging Face tensor comes from."""
+    return part.name if isinstance(part, ExpertPart) else part[0]
+
+
+def is_expert(parts: list) -> bool:
+    return isinstance(parts[0], ExpertPart)
+
+
+def experts_to_theirs(parts: list[ExpertPart], ours: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One Hugging Face expert tensor from our stacked weights."""
+    if parts[0].layout == "t":
+        return ours[parts[0].name][parts[0].expert].T
+    even, odd = (ours[p.name] for p in parts)  # [E, in, out] each -> [E, in, 2 out], interleaved
+    return torch.stack((even, odd), dim=-1).flatten(-2)
+
+
+def experts_from_theirs(w: torch.Tensor, parts: list[ExpertPart]) -> list[torch.Tensor]:
+    """The inverse: ``ours[expert]`` for "t", else the even and odd places of the last dim."""
+    if parts[0].layout == "t":
+        return [w.T]
+    return [w[..., 0::2], w[..., 1::2]]
+
+
 def to_hf(state: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
     """Our full (unsharded) weights -> Hugging Face names and layout (fused projections joined)."""
-    return {theirs: join([ours_to_theirs(state[ours], heads, args) for ours, heads in parts])
+    return {theirs: (experts_to_theirs(parts, state) if is_expert(parts)
+                     else join([ours_to_theirs(state[ours], heads, args) for ours, heads in parts]))
             for theirs, parts in hf_tensors(args).items()}
 
 
@@ -79,8 +104,15 @@ def split(w: torch.Tensor, parts: list[tuple[str, int]], shapes: dict[str, tuple
 def from_hf(state: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
     """Hugging Face full weights -> our names and layout (extra keys, e.g. a tied lm_head, are ignored)."""
     shapes = our_shapes(args)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for theirs, parts in hf_tensors(args).items():
+        if is_expert(parts):
+            for part, w in zip(parts, experts_from_theirs(state[theirs], parts)):
+                if part.layout == "t":
+                    out.setdefault(part.name, torch.empty(shapes[part.name], dtype=w.dtype))[part.expert] = w
+                else:
+                    out[part.name] = w.contiguous()
+            continue
         for (ours, heads), w in zip(parts, split(state[theirs], parts, shapes)):
             out[ours] = theirs_to_ours(w, heads, args)
     return out
@@ -97,5 +129,11 @@ def our_shapes(args: DecoderArgs) -> dict[str, tuple[int, ...]]:
 def expected_hf_shapes(args: DecoderArgs) -> dict[str, tuple[int, ...]]:
     """Hugging Face name -> shape for a model of ``args``."""
     shapes = our_shapes(args)
-    return {theirs: (sum(shapes[o][0] for o, _ in parts), *shapes[parts[0][0]][1:])
-            for theirs, parts in hf_tensors(args).items()}
+    out = {}
+    for theirs, parts in hf_tensors(args).items():
+        if is_expert(parts):
+            s = shapes[parts[0].name]  # [E, in, out]
+            out[theirs] = (s[2], s[1]) if parts[0].layout == "t" else (*s[:-1], 2 * s[-1])
+        else:
+            out[theirs] = (sum(shapes[o][0] for o, _ in parts), *shapes[parts[0][0]][1:])
+    return out

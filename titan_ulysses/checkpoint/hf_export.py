@@ -23,13 +23,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from titan_ulysses.checkpoint.hf_adapter import hf_tensors, join, our_shapes, ours_to_theirs
+from titan_ulysses.checkpoint.hf_adapter import (
+    experts_to_theirs,
+    hf_tensors,
+    is_expert,
+    join,
+    our_shapes,
+    ours_to_theirs,
+    part_name,
+)
 from titan_ulysses.checkpoint.hf_check import weights_dtype
 from titan_ulysses.checkpoint.lora_export import merge, pop_adapters, scaling_of
 from titan_ulysses.checkpoint.steps import missing_checkpoint
 from titan_ulysses.checkpoint.verify import verify_checkpoint
 from titan_ulysses.models.decoder.args import DecoderArgs, RopeScaling
 from titan_ulysses.models.families.common import rope_config
+from titan_ulysses.models.moe.args import MoEArgs
 from titan_ulysses.models.registry import get_family
 
 RECORD = "model_args.json"
@@ -97,6 +106,8 @@ def read_model_record(step_dir: str) -> tuple[DecoderArgs, dict | None] | None:
     for key in ("rope_scaling", "local_rope_scaling"):
         if fields.get(key) is not None:
             fields[key] = RopeScaling(**fields[key])
+    if fields.get("moe") is not None:
+        fields["moe"] = MoEArgs(**fields["moe"])
     return get_family(fields.get("family", "llama")).args_class(**fields), record.get("hf_config")
 
 
@@ -113,6 +124,14 @@ def read_data_settings(checkpoint_dir: str) -> dict | None:
 
 
 # -- config.json -----------------------------------------------------------------------------
+
+
+def _hf_numel(parts: list, meta: dict) -> int:
+    """Elements of one Hugging Face tensor (one expert of a stacked weight, or its parts' sum)."""
+    if is_expert(parts) and parts[0].layout == "t":
+        size = meta[parts[0].name].size
+        return size.numel() // size[0]
+    return sum(meta[part_name(p)].size.numel() for p in parts)
 
 
 def hf_config(args: DecoderArgs, dtype: torch.dtype, max_position_embeddings: int = 131072,
@@ -294,17 +313,21 @@ def export_hf(checkpoint_dir: str, args: DecoderArgs | None, output_dir: str, dt
     scaling = scaling_of(checkpoint_dir, adapters)
     check_checkpoint_shapes({k: tuple(m.size) for k, m in meta.items()}, args, "given (flavor / overrides)")
     tensors = hf_tensors(args)
-    sizes = {theirs: sum(meta[ours].size.numel() for ours, _ in parts) * dtype.itemsize
-             for theirs, parts in tensors.items()}
+    sizes = {theirs: _hf_numel(parts, meta) * dtype.itemsize for theirs, parts in tensors.items()}
     shards = _plan_shards(sizes, max_shard_size)
     os.makedirs(output_dir, exist_ok=True)
     weight_map, written, total = {}, [], 0
     for i, shard in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         state = {}
-        names = [ours for theirs in shard for ours, _ in tensors[theirs]]
+        names = list(dict.fromkeys(part_name(p) for theirs in shard for p in tensors[theirs]))  # an expert weight once
         ours_state = read_model_weights(checkpoint_dir, names + [n for ours in names for n in adapters.get(ours, ())])
         for theirs in shard:
+            if is_expert(tensors[theirs]):  # no LoRA on experts (refused at launch)
+                state[theirs] = experts_to_theirs(tensors[theirs], ours_state).to(dtype).contiguous()
+                weight_map[theirs] = file
+                total += sizes[theirs]
+                continue
             parts = []
             for ours, heads in tensors[theirs]:
                 w = ours_state.pop(ours)

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from titan_ulysses.models.decoder.block import add_stats
 from titan_ulysses.ops.attention import save_ops as attention_save_ops
 from titan_ulysses.ops.tiled import tiled_forward_running
 
@@ -86,9 +87,10 @@ def check_layers_per_checkpoint(mode: str, layers_per_checkpoint: int) -> None:
 
 
 def _run_group(blocks: list[nn.Module], h, rope, attention_mask):
+    stats = None
     for block in blocks:
-        h = block(h, rope, attention_mask)  # [B, S, D]
-    return h
+        h, stats = add_stats(stats, block(h, rope, attention_mask))  # [B, S, D]
+    return h if stats is None else (h, stats)
 
 
 class CheckpointGroups:

@@ -17,6 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from titan_ulysses.distributed.expert_parallel import ExpertParallel
+
 
 def apply_fsdp(
     model: nn.Module,
@@ -25,11 +27,14 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard each block, then the root (embeddings, final norm, output).
 
     ``dp_mesh`` is ``ParallelDims.get_mesh("fsdp")``: dp_shard x cp x sp flattened, or for HSDP
-    the 2-D (dp_replicate, dp_shard x cp x sp) mesh.
+    the 2-D (dp_replicate, dp_shard x cp x sp) mesh. With expert parallelism, ``expert_mesh``
+    (``ep_fsdp``) is where the experts (already sharded over ``ep``) are sharded further: the
+    ranks outside ``ep``, whose copies of an expert saw other tokens, so their gradients add up.
     """
     kwargs = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     if cpu_offload:
@@ -37,6 +42,9 @@ def apply_fsdp(
         # the optimizer steps on the CPU
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for block in model.layers.values():
+        if expert_mesh is not None:  # their own group first: the block's leaves them out
+            for experts in [m for m in block.modules() if isinstance(m, ExpertParallel)]:
+                fully_shard(experts, reshard_after_forward=reshard_after_forward, **{**kwargs, "mesh": expert_mesh})
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     # the root is needed first in backward: keep its parameters gathered after forward
     fully_shard(model, reshard_after_forward=False, **kwargs)

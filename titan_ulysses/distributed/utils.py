@@ -36,13 +36,28 @@ def global_token_count(labels: list[torch.Tensor], loss_mesh: DeviceMesh, ignore
     return dist_sum(torch.as_tensor(local, dtype=torch.float64), loss_mesh)
 
 
+def router_loss_share(stats, loss_mesh: DeviceMesh, coef: float) -> torch.Tensor:
+    """This rank's share of ``coef`` x the load-balancing loss of a mixture of experts (``models/moe/aux_loss.py``)
+    under the convention above: the routing counts and rows summed over ``loss_mesh`` (every rank's tokens
+    of this forward), this rank's probabilities. The shares add up to the single-device loss; with
+    microbatches each forward's loss is its own (as transformers' per forward), so divide by their number."""
+    from titan_ulysses.models.moe.aux_loss import load_balancing_loss
+
+    counts, rows = stats.counts.detach().clone(), stats.rows.detach().clone()
+    if loss_mesh.size() > 1:
+        dist.all_reduce(counts, group=loss_mesh.get_group())
+        dist.all_reduce(rows, group=loss_mesh.get_group())
+    return coef * load_balancing_loss(stats, counts, rows)
+
+
 def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
     """Load unsharded weights (the same on every rank) into a parallelized model.
 
     Names are those of the plain model; wrappers from AC and compile are looked through.
     ``strict=False`` leaves parameters the dict lacks as they are (LoRA adapters).
     """
-    set_model_state_dict(model, full_state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
+    # a copy: set_model_state_dict replaces the dict's values by the sharded tensors it made
+    set_model_state_dict(model, dict(full_state_dict), options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 @torch.no_grad()

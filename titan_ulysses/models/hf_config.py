@@ -18,6 +18,10 @@ from titan_ulysses.models.registry import HFConfigError, get_family
 
 __all__ = ["HFConfigError", "args_from_hf_config", "describe", "load_hf_args", "read_hf_config"]
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+# mixtures of experts that compute what no family here does (issue 31): the reason, in one line
+_MOE_REFUSED = {"deepseek_v3": "multi-head latent attention", "deepseek_v2": "multi-head latent attention",
+                "qwen3_next": "linear-attention (Gated DeltaNet) layers", "jamba": "state-space (Mamba) layers",
+                "qwen2_moe": "shared experts", "olmoe": "a different router"}
 # keys only state-space / linear-attention hybrids have
 _HYBRID_KEYS = ("mamba_d_state", "ssm_state_size", "state_size", "linear_num_key_heads", "attn_layer_indices",
                 "mamba_n_heads", "hybrid_override_pattern")
@@ -39,11 +43,17 @@ def read_hf_config(folder: str) -> dict:
 
 def _refuse_unsupported(cfg: dict) -> None:
     """Mixture of experts and state-space / linear-attention hybrids, whatever their model_type."""
+    from titan_ulysses.models.registry import FAMILIES, get_family
+
     model_type = cfg.get("model_type")
+    get_family("llama")  # registers every family
     moe = [k for k in _MOE_KEYS if cfg.get(k)]
-    if moe or "moe" in str(model_type):
+    if (moe or "moe" in str(model_type)) and model_type not in FAMILIES:
         detail = f" ({moe[0]} {cfg[moe[0]]})" if moe else ""
-        raise HFConfigError(f"model_type {model_type!r} is a mixture-of-experts model{detail}: not supported")
+        why = _MOE_REFUSED.get(model_type, "not one of the mixture-of-experts families")
+        moe_families = sorted(m for m, f in FAMILIES.items() if f.decoder.experts)
+        raise HFConfigError(f"model_type {model_type!r} is a mixture-of-experts model{detail} with {why}: not "
+                            f"supported (mixtures of experts here: {', '.join(moe_families)})")
     hybrid = [k for k in _HYBRID_KEYS if cfg.get(k) is not None]
     layers = [t for t in cfg.get("layer_types") or [] if any(h in str(t) for h in _HYBRID_LAYERS)]
     if hybrid or layers or any(h in str(model_type) for h in ("mamba", "jamba", "zamba", "rwkv")):

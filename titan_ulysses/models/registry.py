@@ -20,9 +20,22 @@ from torch import nn
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.decoder.spec import DecoderSpec
 
-# Hugging Face name -> the parts of it in order: (our name, heads whose rows are RoPE-ordered or 0).
-# One part: a renamed tensor; several: a fused projection (rows concatenated in this order).
-HFTensors = dict[str, list[tuple[str, int]]]
+@dataclass(frozen=True)
+class ExpertPart:
+    """A Hugging Face tensor's part that is (part of) a stacked expert weight of ours, ``[E, in, out]``."""
+
+    name: str
+    """Our stacked weight (``layers.i.feed_forward.experts.w1`` ...)."""
+    expert: int
+    """The expert whose ``F.linear`` weight the tensor is (``layout`` "t"); -1: all of them, stacked."""
+    layout: str
+    """"t": theirs is ``ours[expert].T``; "even" / "odd": theirs ``[E, in, 2 out]`` interleaves two of ours
+    along its last dim, this part at the even / odd places (gpt-oss's ``gate_up_proj``)."""
+
+
+# Hugging Face name -> the parts of it in order: (our name, heads whose rows are RoPE-ordered or 0), or an
+# ExpertPart. One part: a renamed tensor; several: a fused projection (rows concatenated in this order).
+HFTensors = dict[str, list]
 
 
 class HFConfigError(ValueError):
@@ -86,6 +99,7 @@ def check_compute(args: DecoderArgs, attn_backend: str, sdpa_backends: str = "au
     needs = [(cap, what) for cap, what, on in (
         ("window", f"sliding_window {args.sliding_window}", args.sliding_window),
         ("softcap", f"attn_logit_softcapping {args.attn_softcap}", args.attn_softcap),
+        ("sinks", "attention sinks", args.attn_sinks),
     ) if on]
     for cap, what in needs:
         if not getattr(backend, cap):

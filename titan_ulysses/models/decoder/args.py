@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from titan_ulysses.models.moe.args import MoEArgs
+
 
 @dataclass
 class RopeScaling:
@@ -82,6 +84,15 @@ class DecoderArgs:
     """Scores -> attn_softcap * tanh(scores / attn_softcap) before the mask (Gemma 2); 0: off."""
     final_softcap: float = 0.0
     """Logits -> final_softcap * tanh(logits / final_softcap) (Gemma 2); 0: off."""
+    o_bias: bool = False
+    """A bias on the output projection (gpt-oss's ``attention_bias`` covers o_proj too)."""
+    attn_sinks: bool = False
+    """A learned logit per q head in every softmax's denominator (gpt-oss's ``sinks``)."""
+    moe: MoEArgs | None = None
+    """The mixture-of-experts feed-forward (``models/moe/``); None: the dense MLP everywhere."""
+    moe_dense_layers: list[int] = field(default_factory=list)
+    """Layers that keep the dense MLP of ``ffn_hidden_dim`` in an MoE model (Qwen3-MoE's ``mlp_only_layers``
+    and ``decoder_sparse_step``)."""
 
     @property
     def head_dim(self) -> int:

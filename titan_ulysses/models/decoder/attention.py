@@ -69,7 +69,9 @@ class Attention(nn.Module):
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        # gpt-oss: a logit per q head beside every row's scores (a backend capability: registry.check_compute)
+        self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attn_sinks else None
         # Qwen3, Gemma 3: one RMSNorm over head_dim shared by all q heads (and one by all k heads)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, norm_offset) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, norm_offset) if args.qk_norm else None
@@ -99,7 +101,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, Dh]
         v = self.wv(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, Dh]
         q, k = self.prepare_qk(q, k, rope)
-        out = self.inner_attention(q, k, v, attention_mask, **self.attention_kwargs)  # [B, S, Hq, Dh]
+        kwargs = self.attention_kwargs if self.sinks is None else {**self.attention_kwargs, "sinks": self.sinks}
+        out = self.inner_attention(q, k, v, attention_mask, **kwargs)  # [B, S, Hq, Dh]
         return self.wo(out.reshape(b, s, -1))
 
     def init_weights(self, std: float):
@@ -108,6 +111,10 @@ class Attention(nn.Module):
             if w.bias is not None:
                 nn.init.zeros_(w.bias)
         nn.init.trunc_normal_(self.wo.weight, std=std)
+        if self.wo.bias is not None:
+            nn.init.zeros_(self.wo.bias)
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()

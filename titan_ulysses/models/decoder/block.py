@@ -12,7 +12,6 @@ from torch import nn
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.decoder.attention import Attention
-from titan_ulysses.models.decoder.feed_forward import attach_aux_loss
 from titan_ulysses.models.decoder.norm import RMSNorm
 from titan_ulysses.models.decoder.spec import DecoderSpec
 
@@ -37,10 +36,10 @@ class TransformerBlock(nn.Module):
             rope = rope[self.layer_type]
         a = self.attention(self.attention_norm(x), rope, attention_mask)  # [B, S, D]
         h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
-        f = self.feed_forward(self.ffn_norm(h))  # [B, S, D], or with an auxiliary loss ([B, S, D], [])
-        if isinstance(f, tuple):
-            f = attach_aux_loss(*f)
-        return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
+        f = self.feed_forward(self.ffn_norm(h))  # [B, S, D], or with its statistics ([B, S, D], stats)
+        f, stats = f if isinstance(f, tuple) else (f, None)
+        h = h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
+        return h if stats is None else (h, stats)
 
     def init_weights(self):
         for norm in (self.attention_norm, self.post_attention_norm, self.ffn_norm, self.post_ffn_norm):
@@ -51,5 +50,14 @@ class TransformerBlock(nn.Module):
 
 
 def each_block(layers: nn.ModuleDict):
-    """The units forward runs in turn, each ``(h [B, S, D], rope, attention_mask) -> h``: every block."""
+    """The units forward runs in turn, each ``(h [B, S, D], rope, attention_mask) -> h`` or ``(h, stats)``
+    (a feed-forward's, ``feed_forward.py``): every block."""
     return layers.values()
+
+
+def add_stats(total, out):
+    """A unit's output -> ``(h, total + its stats)`` (``total`` None until a unit has stats)."""
+    if not isinstance(out, tuple):
+        return out, total
+    h, stats = out
+    return h, stats if total is None else total + stats

@@ -3,13 +3,12 @@
 A block builds its feed-forward with its family's ``DecoderSpec.feed_forward``, a
 ``FeedForwardBuilder``: ``(layer_id, args, compute) -> module``. The module maps
 ``[B, S, D] -> [B, S, D]`` and has ``init_weights(std)``. It may instead return
-``(out, aux)``: ``aux`` is a scalar loss term (a router's load-balancing loss), already
-scaled as its share of the step's loss; the block adds its gradient to backward
-(:func:`attach_aux_loss`) and returns ``out`` alone, so blocks stay ``h -> h`` through
-activation checkpointing, compile and FSDP. A loss pooled over layers (transformers'
-load-balancing loss, ``models/moe/aux_loss.py``) comes through as each layer's share: any
-scalar whose gradient is that layer's part (it may read its coefficients in backward, once
-every layer has run). The default, :func:`dense`, is the gated MLP.
+``(out, stats)``: statistics that a loss pooled over every layer needs (the router's
+load-balancing loss, ``models/moe/aux_loss.py``, which transformers computes from all
+layers' routing counts at once, so no layer's share is known when it runs). They leave the
+block beside its output, ``(h, stats)``, through activation checkpointing (groups too),
+compile and FSDP, and the model sums them over layers (``Transformer.router_stats``); the
+loss adds its term once the forward is done. The default, :func:`dense`, is the gated MLP.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -54,22 +52,3 @@ class FeedForward(nn.Module):
 def dense(layer_id: int, args, compute, activation: str = "silu") -> FeedForward:
     """The default builder: the gated MLP of ``args.ffn_hidden_dim`` (``functools.partial`` picks the activation)."""
     return FeedForward(args.dim, args.ffn_hidden_dim, compute.mlp_tile_size, activation)
-
-
-class _AuxLoss(torch.autograd.Function):
-    """Identity on ``out``; in backward ``aux`` gets the gradient 1, as if it had been added to the loss."""
-
-    @staticmethod
-    def forward(ctx, out, aux):
-        ctx.save_for_backward(aux)  # a scalar
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        (aux,) = ctx.saved_tensors
-        return grad, torch.ones_like(aux)
-
-
-def attach_aux_loss(out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-    """``out`` (``[B, S, D]``), carrying ``aux``'s gradient into backward (Megatron's aux-loss scaler, scale 1)."""
-    return _AuxLoss.apply(out, aux)

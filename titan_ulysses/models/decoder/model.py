@@ -21,7 +21,7 @@ from torch import nn
 
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.args import DecoderArgs
-from titan_ulysses.models.decoder.block import TransformerBlock, each_block
+from titan_ulysses.models.decoder.block import TransformerBlock, add_stats, each_block
 from titan_ulysses.models.decoder.norm import RMSNorm
 from titan_ulysses.models.decoder.spec import DecoderSpec
 from titan_ulysses.models.rope import rope_frequencies
@@ -60,6 +60,9 @@ class Transformer(nn.Module):
         self.layer_units = each_block
         """``self.layers`` -> what forward runs in turn (a plain attribute, not a module: no parameter name
         changes); activation checkpointing in groups of blocks replaces it (``distributed/activation_checkpoint.py``)."""
+        self.router_stats = None
+        """The last forward's feed-forward statistics summed over layers (a mixture of experts' RouterStats:
+        what its load-balancing loss needs, ``models/moe/aux_loss.py``); None for a dense model."""
         self.rope_seq_len = 0
         """Full sequence length for longrope's choice of factors (0: the last of the local positions + 1,
         right in one process; under Ulysses / cp the trainer sets it to training.seq_len)."""
@@ -106,8 +109,10 @@ class Transformer(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         rope = self.rope(positions)
         h = self.embed(tokens)  # [B, S, D]
+        stats = None
         for unit in self.layer_units(self.layers):  # h is each unit's alone: an input held here would stay alive
-            h = unit(h, rope, attention_mask)
+            h, stats = add_stats(stats, unit(h, rope, attention_mask))
+        self.router_stats = stats
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight  # [V, D]
         return self.head(h, weight, labels)

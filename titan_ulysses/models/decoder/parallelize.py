@@ -12,6 +12,7 @@ from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.activation_offload import apply_activation_offload
 from titan_ulysses.distributed.compile import apply_compile
 from titan_ulysses.distributed.context_parallel import apply_cp
+from titan_ulysses.distributed.expert_parallel import apply_ep
 from titan_ulysses.distributed.float8 import Float8Options, apply_float8
 from titan_ulysses.distributed.fsdp import apply_fsdp
 from titan_ulysses.distributed.lora import LoRAOptions, apply_lora
@@ -66,6 +67,8 @@ def parallelize_decoder(
     if parallel_dims.sp_enabled:
         apply_ulysses(model, parallel_dims.get_mesh("sp"))
     apply_head_stages(model, options.ulysses_head_stages, options.ulysses_stage_keep_attention)  # after Ulysses (uses its group), before AC
+    if parallel_dims.ep_enabled:  # experts sharded over ep, rows sent to them; before FSDP (which shards them further)
+        apply_ep(model, parallel_dims.get_mesh("ep"))
     if options.lora is not None:  # frozen base in the compute dtype; AC, compile and FSDP see the adapters
         if parallel_dims.tp_enabled:
             raise ValueError("lora with tensor parallelism is not supported (config/manager.py says why)")
@@ -80,5 +83,6 @@ def parallelize_decoder(
     single_rank_mixed = options.param_dtype != torch.float32 and not parallel_dims.tp_enabled
     if parallel_dims.fsdp_enabled or single_rank_mixed:
         apply_fsdp(model, parallel_dims.get_mesh("fsdp"), options.param_dtype, options.reduce_dtype,
-                   cpu_offload=options.cpu_offload)
+                   cpu_offload=options.cpu_offload,
+                   expert_mesh=parallel_dims.get_mesh("ep_fsdp") if parallel_dims.ep_enabled else None)
     return model

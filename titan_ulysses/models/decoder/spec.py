@@ -17,6 +17,8 @@ from titan_ulysses.models.decoder.feed_forward import FeedForwardBuilder, dense
 class DecoderSpec:
     feed_forward: FeedForwardBuilder = dense
     """Builds each block's feed-forward (``feed_forward.py``): the seam a family replaces (mixture of experts)."""
+    experts: bool = False
+    """The family is a mixture of experts (its feed-forward routes to ``args.moe``'s experts)."""
     norm_offset: float = 0.0
     """Every RMSNorm scales by ``norm_offset + weight`` and its weight starts at ``1 - norm_offset`` (Gemma: 1)."""
     sandwich_norms: bool = False

@@ -7,7 +7,7 @@ from titan_ulysses.models.families.common import base_args, check_common, llama_
 from titan_ulysses.models.registry import HFConfigError, ModelFamily, register
 
 
-def _check_window(cfg: dict) -> None:
+def check_window(cfg: dict) -> None:
     # Qwen's window applies to layers from max_window_layers on; not implemented here
     if cfg.get("use_sliding_window"):
         raise HFConfigError(f"use_sliding_window true (sliding_window {cfg.get('sliding_window')}): sliding-window "
@@ -20,13 +20,13 @@ def _check_window(cfg: dict) -> None:
 
 def qwen2_args(cfg: dict) -> DecoderArgs:
     check_common(cfg, biases=("mlp_bias",))
-    _check_window(cfg)
+    check_window(cfg)
     return base_args(cfg, "qwen2", qkv_bias=True)
 
 
 def qwen3_args(cfg: dict) -> DecoderArgs:
     check_common(cfg)
-    _check_window(cfg)
+    check_window(cfg)
     return base_args(cfg, "qwen3", default_head_dim=128, qk_norm=True)
 
 

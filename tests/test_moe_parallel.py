@@ -1,0 +1,77 @@
+"""The mixture-of-experts families over sp, ep x sp and ep x dp_shard against one process: the loss
+(language model + coef x load balancing) and every gradient, on trained-like weights from a
+transformers model (which ``test_moe_families.py`` holds our one-process model equal to)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import assert_close, run_distributed
+from model_harness import clean_name, full, make_batch
+from test_moe_families import MOE_VARIANTS, as_saved, hf_moe
+from titan_ulysses.checkpoint.hf_adapter import from_hf
+from titan_ulysses.data.sharding import shard_batch
+from titan_ulysses.distributed.parallel_dims import ParallelDims
+from titan_ulysses.distributed.utils import global_token_count, load_full_state_dict, router_loss_share
+from titan_ulysses.models.compute import ComputeOptions
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
+from titan_ulysses.models.hf_config import args_from_hf_config
+from titan_ulysses.models.moe.aux_loss import load_balancing_loss
+from titan_ulysses.models.registry import build_model
+from titan_ulysses.ops.loss import IGNORE_INDEX, cross_entropy_sum
+
+LAYOUTS = {"sp2": dict(sp=2), "ep2_sp2": dict(sp=2, ep=2), "ep2_dp_shard2": dict(dp_shard=2, ep=2)}
+# four ranks: experts on 2 ep ranks and FSDP-sharded over the 2 outside them (their gradients add up),
+# and HSDP's replicas
+LAYOUTS_4 = {"ep2_sp2_dp_shard2": dict(dp_shard=2, sp=2, ep=2), "ep2_sp2_dp_replicate2": dict(dp_replicate=2, sp=2, ep=2)}
+
+
+def _step(model, pd, inputs, labels, coef):
+    dp, dp_rank = pd.get_mesh("dp").size(), pd.get_mesh("dp").get_local_rank()
+    sp, sp_rank = pd.get_mesh("sp").size(), pd.get_mesh("sp").get_local_rank()
+    mb = shard_batch(inputs.chunk(dp)[dp_rank], labels.chunk(dp)[dp_rank], sp_rank, sp)
+    n_tokens = global_token_count([mb.labels], pd.get_mesh("loss"))
+    loss = cross_entropy_sum(model(mb.tokens, positions=mb.positions), mb.labels) / n_tokens
+    loss = loss + router_loss_share(model.router_stats, pd.get_mesh("loss"), coef)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total
+
+
+def _matches_one_process(name, layouts=LAYOUTS):
+    hf = hf_moe(name)
+    args = args_from_hf_config(hf.config.to_dict())
+    state = from_hf(as_saved(hf, hf.state_dict()), args)
+    coef = args.moe.aux_loss_coef
+    inputs, labels = make_batch(0, 4, 20, args.vocab_size)
+    ref = build_model(args, ComputeOptions(attn_backend="sdpa"))
+    ref.load_state_dict(state)
+    lm = cross_entropy_sum(ref(inputs), labels) / (labels != IGNORE_INDEX).sum()
+    ref_loss = lm + coef * load_balancing_loss(ref.router_stats)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for layout_name, layout in layouts.items():
+        pd = ParallelDims(**layout, world_size=dist.get_world_size())
+        pd.build_mesh("cpu")
+        with torch.device("meta"):
+            model = build_model(args, ComputeOptions(attn_backend="sdpa"))
+        parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32))
+        model.to_empty(device="cpu")
+        model.init_buffers()
+        load_full_state_dict(model, state)
+        loss = _step(model, pd, inputs, labels, coef)
+        assert_close(loss.float(), ref_loss.detach(), f"{name} {layout_name}: loss")
+        grads = {clean_name(n): full(p.grad) for n, p in model.named_parameters()}
+        assert grads.keys() == ref_grads.keys()
+        for n, g in grads.items():
+            assert_close(g, ref_grads[n], f"{name} {layout_name}: grad {n}")
+
+
+@pytest.mark.parametrize("name", list(MOE_VARIANTS))
+def test_moe_layouts_match_one_process(name):
+    run_distributed(_matches_one_process, 2, name)
+
+
+def test_experts_sharded_over_ep_and_the_ranks_outside_it():
+    run_distributed(_matches_one_process, 4, "qwen3_moe", LAYOUTS_4)
