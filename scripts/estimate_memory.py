@@ -43,8 +43,8 @@ import json
 import sys
 
 from titan_ulysses.config.manager import ConfigError, load_config
-from titan_ulysses.metrics.memory_estimate import GIB, Switches, estimate, largest_seq_len
-from titan_ulysses.metrics.memory_fit import BUDGET, from_config, recommend
+from titan_ulysses.planning.estimate import GIB, Switches, estimate, largest_seq_len
+from titan_ulysses.planning.recommend import BUDGET, from_config, recommend
 from titan_ulysses.preflight import validate
 
 def saved_bytes(model, tokens, positions=None) -> int:
@@ -77,7 +77,7 @@ def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int
     if switches.ac_mode == "selective":
         raise SystemExit("--validate on CPU measures through saved-tensor hooks, which selective AC bypasses; "
                          "use activation_checkpoint.mode none, full or full_offload")
-    from titan_ulysses.metrics.memory_track import cuda_kernel_choices
+    from titan_ulysses.planning.track import cuda_kernel_choices
 
     dtype = torch.float32 if switches.act_bytes == 4 else torch.bfloat16
     compute = ComputeOptions(mlp_tile_size=switches.mlp_tile_size, loss_chunk_size=switches.loss_chunk_size)
@@ -124,8 +124,8 @@ def _block_progress(passes: int, desc: str):
 
 def track(args, layout, switches, seq_len: int, batch: int, est) -> dict:
     """The CPU tracker's step (``metrics/memory_track.py``) beside the estimate, phase by phase."""
-    from titan_ulysses.metrics.memory_track import track_step
-    from titan_ulysses.metrics.track_extrapolation import sample_lengths, tracked_layer_counts
+    from titan_ulysses.planning.track import track_step
+    from titan_ulysses.planning.extrapolate import sample_lengths, tracked_layer_counts
 
     k = switches.ac_layers_per_checkpoint
     # a step's block forwards: each block's, and a group's recompute runs its blocks but the last again

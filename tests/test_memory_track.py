@@ -13,9 +13,9 @@ gradient, the reduce-scatter buffer or the prefetched block would miss by more t
 
 import pytest
 
-from titan_ulysses.metrics.memory_estimate import Layout, Switches, estimate
-from titan_ulysses.metrics import track_extrapolation
-from titan_ulysses.metrics.memory_track import track_step
+from titan_ulysses.planning.estimate import Layout, Switches, estimate
+from titan_ulysses.planning import extrapolate
+from titan_ulysses.planning.track import track_step
 from titan_ulysses.models.llama.args import get_flavor
 
 CASES = {
@@ -104,7 +104,7 @@ def small_chunks(monkeypatch):
     from titan_ulysses.ops import norm
 
     monkeypatch.setattr(norm, "CHUNK_TOKENS", 256)
-    monkeypatch.setattr(track_extrapolation, "MIN_QUANTA", 6)  # extrapolate from 6 quanta on (not only from 32)
+    monkeypatch.setattr(extrapolate, "MIN_QUANTA", 6)  # extrapolate from 6 quanta on (not only from 32)
     return Switches(ac_mode="full_offload", loss_chunk_size=256, mlp_tile_size=256)
 
 
@@ -129,7 +129,7 @@ def test_off_the_line_is_traced_at_full_length(small_chunks, monkeypatch):
     affine (forced here), the step is traced at its full length and says so."""
     import dataclasses
 
-    ex = track_extrapolation
+    ex = extrapolate
     args, layout, seq = _small_8b(2), Layout(sp=2), 2 * 6 * 256
     switches = dataclasses.replace(small_chunks, head_stages=2)
     check, seen = ex.off_the_line, []

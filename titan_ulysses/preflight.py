@@ -55,8 +55,8 @@ from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.staged_attention import check_head_stages
 from titan_ulysses.distributed.ulysses import check_heads
-from titan_ulysses.metrics.memory_estimate import GIB, estimate
-from titan_ulysses.metrics.memory_fit import from_config, memory_warning
+from titan_ulysses.planning.estimate import GIB, estimate
+from titan_ulysses.planning.recommend import from_config, memory_warning
 from titan_ulysses.models.hf_config import describe
 from titan_ulysses.models.registry import check_compute
 from titan_ulysses.models.resolve import model_args

@@ -11,7 +11,7 @@ import dataclasses
 
 from titan_ulysses.config.manager import resolved_global_batch_size
 from titan_ulysses.distributed.heads import is_even
-from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
+from titan_ulysses.planning.estimate import GIB, Layout, Switches, estimate
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.attention import get_backend
 

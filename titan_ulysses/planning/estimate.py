@@ -147,7 +147,7 @@ from dataclasses import asdict, dataclass, field
 
 from titan_ulysses.distributed.heads import attended_heads
 from titan_ulysses.distributed.staged_attention import stage_plans
-from titan_ulysses.metrics import memory_groups as groups
+from titan_ulysses.planning import groups
 from titan_ulysses.ops.norm import CHUNK_TOKENS as NORM_CHUNK_TOKENS
 from titan_ulysses.models.llama.args import LlamaArgs
 

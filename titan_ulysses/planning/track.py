@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan_ulysses.metrics.memory_estimate import Layout, Switches
+from titan_ulysses.planning.estimate import Layout, Switches
 from titan_ulysses.models.llama.args import LlamaArgs
 
 TOTAL = "Total"
@@ -133,7 +133,7 @@ class _PhasePeaks(TorchDispatchMode):
         frame, lines = sys._getframe(2), []
         while frame is not None and len(lines) < _EVENT_FRAMES:
             name = frame.f_code.co_filename
-            if _PROJECT in name and not name.endswith("memory_track.py"):
+            if _PROJECT in name and not name.endswith(os.path.join("planning", "track.py")):
                 lines.append(f"{name[name.index(_PROJECT) + len(_PROJECT):]}:{frame.f_lineno}")
             frame = frame.f_back
         line = " < ".join(lines)
@@ -295,7 +295,7 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
     says what was traced."""
     import dataclasses
 
-    from titan_ulysses.metrics import track_extrapolation as ex
+    from titan_ulysses.planning import extrapolate as ex
 
     group = switches.ac_layers_per_checkpoint
     depths = ex.tracked_layer_counts(args.n_layers, extrapolate, group)
