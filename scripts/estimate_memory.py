@@ -43,8 +43,9 @@ import json
 import sys
 
 from titan_ulysses.config.manager import ConfigError, load_config
-from titan_ulysses.planning.estimate import GIB, Switches, estimate, largest_seq_len
-from titan_ulysses.planning.recommend import BUDGET, from_config, recommend
+from titan_ulysses.planning.estimate import estimate, largest_seq_len
+from titan_ulysses.planning.inputs import GIB, Switches, from_config
+from titan_ulysses.planning.recommend import BUDGET, recommend
 from titan_ulysses.preflight import validate
 
 def saved_bytes(model, tokens, positions=None) -> int:

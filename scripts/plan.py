@@ -48,8 +48,9 @@ def plan_config(a):
     """The JobConfig of the plan, its layout and the memory estimate, or SystemExit naming why not."""
     from titan_ulysses.config.manager import ConfigError, _set, load_config
     from titan_ulysses.preflight import validate
-    from titan_ulysses.planning.estimate import GIB, estimate
-    from titan_ulysses.planning.recommend import BUDGET, from_config, recommend
+    from titan_ulysses.planning.estimate import estimate
+    from titan_ulysses.planning.inputs import GIB, from_config
+    from titan_ulysses.planning.recommend import BUDGET, recommend
 
     base = ["--training.seq_len", str(a.seq_len), "--training.local_batch_size", "1",
             "--training.mixed_precision_param", "bfloat16", "--parallelism.ulysses_degree", "1",
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.seq_len <= 0 or a.gpus <= 0 or a.gpu_memory_gib <= 0 or a.matmul_tflops <= 0:
         raise SystemExit("plan: --seq-len, --gpus, --gpu-memory-gib and --matmul-tflops must be positive")
-    from titan_ulysses.planning.estimate import GIB
+    from titan_ulysses.planning.inputs import GIB
 
     config, dims, args, est, overrides = plan_config(a)
     speed = tokens_per_second(args, a.seq_len, config.activation_checkpoint.mode, a.matmul_tflops)

@@ -20,7 +20,8 @@ from dist_utils import run_distributed
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import apply_ulysses
-from titan_ulysses.planning.estimate import Layout, Switches, estimate
+from titan_ulysses.planning.estimate import estimate
+from titan_ulysses.planning.inputs import Layout, Switches
 from titan_ulysses.planning.track import cuda_kernel_choices, track_step
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.llama.args import get_flavor

@@ -13,7 +13,8 @@ gradient, the reduce-scatter buffer or the prefetched block would miss by more t
 
 import pytest
 
-from titan_ulysses.planning.estimate import Layout, Switches, estimate
+from titan_ulysses.planning.estimate import estimate
+from titan_ulysses.planning.inputs import Layout, Switches
 from titan_ulysses.planning import extrapolate
 from titan_ulysses.planning.track import track_step
 from titan_ulysses.models.llama.args import get_flavor

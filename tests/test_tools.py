@@ -127,8 +127,9 @@ import plan  # noqa: E402
 def test_plan_prints_a_toml_that_trains_and_fits(tmp_path, capsys):
     from titan_ulysses.config.manager import load_config
     from titan_ulysses.preflight import validate
-    from titan_ulysses.planning.estimate import GIB, estimate
-    from titan_ulysses.planning.recommend import BUDGET, from_config
+    from titan_ulysses.planning.estimate import estimate
+    from titan_ulysses.planning.inputs import GIB, from_config
+    from titan_ulysses.planning.recommend import BUDGET
 
     out = tmp_path / "plan.toml"
     memory = 0.12  # GiB: the debug model at 8K tokens needs a split and switches to fit

@@ -55,8 +55,9 @@ from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.staged_attention import check_head_stages
 from titan_ulysses.distributed.ulysses import check_heads
-from titan_ulysses.planning.estimate import GIB, estimate
-from titan_ulysses.planning.recommend import from_config, memory_warning
+from titan_ulysses.planning.estimate import estimate
+from titan_ulysses.planning.inputs import GIB, from_config
+from titan_ulysses.planning.recommend import memory_warning
 from titan_ulysses.models.hf_config import describe
 from titan_ulysses.models.registry import check_compute
 from titan_ulysses.models.resolve import model_args

@@ -148,41 +148,9 @@ from dataclasses import asdict, dataclass, field
 from titan_ulysses.distributed.heads import attended_heads
 from titan_ulysses.distributed.staged_attention import stage_plans
 from titan_ulysses.planning import groups
+from titan_ulysses.planning.inputs import Layout, Switches
 from titan_ulysses.ops.norm import CHUNK_TOKENS as NORM_CHUNK_TOKENS
 from titan_ulysses.models.llama.args import LlamaArgs
-
-GIB = 1024**3
-
-
-@dataclass
-class Layout:
-    dp_shard: int = 1
-    sp: int = 1
-    tp: int = 1
-    cp: int = 1
-
-
-@dataclass
-class Switches:
-    ac_mode: str = "none"
-    ac_layers_per_checkpoint: int = 1
-    """``activation_checkpoint.layers_per_checkpoint``: full AC in groups of this many blocks (``memory_groups.py``)."""
-    loss_chunk_size: int = 0
-    mlp_tile_size: int = 0
-    cpu_offload: bool = False
-    act_bytes: int = 2
-    """Bytes per activation: 2 (bf16 compute) or 4 (fp32)."""
-    microbatches: int = 1
-    """Microbatches per optimizer step (gradient accumulation): from the second on, the sharded
-    gradients of the earlier ones exist through the whole forward and backward."""
-    lora_rank: int = 0
-    """LoRA adapters of this rank on every projection of every block (0: full fine-tuning). The
-    frozen base is stored sharded in the compute dtype and has no gradient or optimizer state;
-    only the adapters (fp32) have both (``distributed/lora.py``)."""
-    head_stages: int = 1
-    """``parallelism.ulysses_head_stages``: attention in this many stages of head groups."""
-    stage_keep_attention: bool = True
-    """``parallelism.ulysses_stage_keep_attention``: stages keep their attention kernel's outputs for backward."""
 
 
 @dataclass

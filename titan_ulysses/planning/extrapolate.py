@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 
-from titan_ulysses.planning.estimate import Layout, Switches
+from titan_ulysses.planning.inputs import Layout, Switches
 
 SAMPLES = (3, 4)
 """Multiples of the token quantum traced; the line through them is checked at ``CHECK``."""

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan_ulysses.planning.estimate import Layout, Switches
+from titan_ulysses.planning.inputs import Layout, Switches
 from titan_ulysses.models.llama.args import LlamaArgs
 
 TOTAL = "Total"
