@@ -78,7 +78,7 @@ def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int
     if switches.ac_mode == "selective":
         raise SystemExit("--validate on CPU measures through saved-tensor hooks, which selective AC bypasses; "
                          "use activation_checkpoint.mode none, full or full_offload")
-    from titan_ulysses.planning.track import cuda_kernel_choices
+    from titan_ulysses.planning.fake_step import cuda_kernel_choices
 
     dtype = torch.float32 if switches.act_bytes == 4 else torch.bfloat16
     compute = ComputeOptions(mlp_tile_size=switches.mlp_tile_size, loss_chunk_size=switches.loss_chunk_size)

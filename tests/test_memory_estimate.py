@@ -22,7 +22,8 @@ from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import apply_ulysses
 from titan_ulysses.planning.estimate import estimate
 from titan_ulysses.planning.inputs import Layout, Switches
-from titan_ulysses.planning.track import cuda_kernel_choices, track_step
+from titan_ulysses.planning.fake_step import cuda_kernel_choices
+from titan_ulysses.planning.track import track_step
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.llama.args import get_flavor
 from titan_ulysses.models.llama.model import Transformer

@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 
 from titan_ulysses.planning.inputs import Layout, Switches
+from titan_ulysses.planning.phases import Phase, StepMemory
 
 SAMPLES = (3, 4)
 """Multiples of the token quantum traced; the line through them is checked at ``CHECK``."""
@@ -126,8 +127,6 @@ def off_the_line(a, b, c=None) -> str:
 def at_length(a, b, m: int):
     """The step of the keyed samples ``a``, ``b`` (one depth) at ``m`` token quanta: each event on its line,
     each phase the largest of its events there."""
-    from titan_ulysses.planning.track import Phase, StepMemory
-
     phases, host = {}, 0
     for name, ev_b in b.events.items():
         best = None
@@ -144,8 +143,6 @@ def at_length(a, b, m: int):
 def to_depth(small, large, n_layers: int, group: int = 1):
     """Steps at three (``small``) and four (``large``) groups of ``group`` layers -> the step at ``n_layers``
     (module docstring)."""
-    from titan_ulysses.planning.track import Phase, StepMemory
-
     units = -(-n_layers // group)
     grow = units - 4
 

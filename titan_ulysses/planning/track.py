@@ -43,246 +43,17 @@ step's peak, the tracker counts ``a V D`` bytes more than a real step holds.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-from dataclasses import dataclass, field
-
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from titan_ulysses.planning.fake_step import (
+    cuda_kernel_choices,
+    fake_world,
+    offload_to_fake_host,
+    sharding_metadata_unseen,
+)
 from titan_ulysses.planning.inputs import Layout, Switches
+from titan_ulysses.planning.phases import CPU_OFFLOAD_KINDS, PhasePeaks, StepMemory, phase_hooks
 from titan_ulysses.models.llama.args import LlamaArgs
-
-TOTAL = "Total"
-
-
-@dataclass
-class Phase:
-    name: str
-    peak: int
-    """Bytes at the phase's peak."""
-    kinds: dict[str, int] = field(default_factory=dict)
-    """The tracker's categories at that peak (bytes)."""
-
-
-@dataclass
-class StepMemory:
-    peak: int
-    """The device peak over the whole step (bytes)."""
-    phases: dict[str, Phase]
-    """Phase name -> its device peak, in the order the step runs them."""
-    host_peak: int = 0
-    """Host memory at its peak over the step (bytes): full_offload's block inputs; with FSDP CPU offload,
-    the sharded parameters, gradients and optimizer state."""
-    traced: str = ""
-    """What was traced to get these numbers (depths and lengths; extrapolated or not)."""
-    events: dict[str, dict[tuple, list]] | None = None
-    """With a keyed trace: phase -> event -> [device bytes, kinds, host bytes] at the event's largest."""
-    thresholds: list[str] = field(default_factory=list)
-    """Size thresholds that a tensor of this (sample) length is under and would pass at the target length."""
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.phases.values(), key=lambda p: p.peak).name
-
-    def summary(self) -> dict[str, Phase]:
-        """The phases, with the layers' backward reduced to the busiest one (``layer backward``)."""
-        out: dict[str, Phase] = {}
-        for name, phase in self.phases.items():
-            key = "layer backward" if name.startswith("layer ") else name
-            if key not in out or phase.peak > out[key].peak:
-                out[key] = Phase(name if key != name else key, phase.peak, phase.kinds)
-        return out
-
-
-HOST = torch.device("cuda")
-"""The fake device that stands for host memory in the tracked step."""
-CPU_OFFLOAD_KINDS = ("Sharded Param", "Sharded Grad", "OptState")
-"""The tracker's kinds FSDP CPU offload keeps in host memory."""
-
-
-class _PhasePeaks(TorchDispatchMode):
-    """After each op, the tracker's current device and host totals; the device's largest per phase.
-
-    With ``keyed`` also the largest per phase and *event*: the op, the innermost line of this
-    project's code that ran it, the autograd node running (in backward) and the modules active
-    (``track_extrapolation.py`` extrapolates each event in tokens, then takes the phase's largest)."""
-
-    def __init__(self, tracker, host_kinds: tuple[str, ...] = (), keyed: bool = False):
-        super().__init__()
-        self.tracker = tracker
-        self.host_kinds = host_kinds
-        self.phase = "forward"
-        self.phases: dict[str, Phase] = {}
-        self.host_peak = 0
-        self.events: dict[str, dict[tuple, list]] | None = {} if keyed else None
-        self.forward_nodes = (0, 0)
-        """The autograd sequence numbers of the step's forward: [first, last + 1)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is DTensor for t in types):  # as the tracker: let DTensor desugar to local ops first
-            return NotImplemented
-        out = func(*args, **(kwargs or {}))
-        self.record(func)
-        return out
-
-    def _event(self, func) -> tuple:
-        frame, lines = sys._getframe(2), []
-        while frame is not None and len(lines) < _EVENT_FRAMES:
-            name = frame.f_code.co_filename
-            if _PROJECT in name and not name.endswith(os.path.join("planning", "track.py")):
-                lines.append(f"{name[name.index(_PROJECT) + len(_PROJECT):]}:{frame.f_lineno}")
-            frame = frame.f_back
-        line = " < ".join(lines)
-        node = torch._C._current_autograd_node()
-        if node is not None:  # a node of the forward by its place in it; one made in backward (a tile's
-            seq = node._sequence_nr()  # recompute) by its name: the same in every tile
-            node = (node.name(), seq - self.forward_nodes[0]) if seq < self.forward_nodes[1] else node.name()
-        parents = getattr(getattr(self.tracker, "_mod_tracker", None), "parents", ())
-        return str(func), line, node, frozenset(parents)
-
-    def record(self, func=None) -> None:
-        # the tracker's own current snapshot, read without the deep copy get_tracker_snapshot() makes
-        # (a third of the step's time: it runs after every op); only read here
-        snap = getattr(self.tracker, "_curr_mem_snap", None)
-        if snap is None:
-            snap = self.tracker.get_tracker_snapshot()
-        kinds: dict[str, int] = {}
-        host = 0
-        for dev, by_kind in snap.items():
-            for kind, value in by_kind.items():
-                if kind == TOTAL:
-                    continue
-                key = str(getattr(kind, "value", kind))
-                if torch.device(dev).type == HOST.type or key in self.host_kinds:
-                    host += value
-                else:
-                    kinds[key] = kinds.get(key, 0) + value
-        total = sum(kinds.values())
-        self.host_peak = max(self.host_peak, host)
-        phase = self.phases.setdefault(self.phase, Phase(self.phase, -1))
-        if total > phase.peak:
-            phase.peak, phase.kinds = total, kinds
-        if self.events is not None and func is not None:
-            event = self.events.setdefault(self.phase, {}).setdefault(self._event(func), [-1, {}, 0])
-            if total > event[0]:
-                event[0], event[1] = total, kinds
-            event[2] = max(event[2], host)
-
-
-_PROJECT = "titan_ulysses" + os.sep
-_EVENT_FRAMES = 3
-"""Lines of this project's code (innermost first) that name an event: ``upcast`` alone serves the norm and the loss."""
-
-
-def _phase_hooks(model, poller: _PhasePeaks) -> list:
-    """Name the phases from the model's own boundaries: the final norm starts the loss; in
-    backward, the gradient of each block's output starts that block's backward."""
-    blocks = list(model.layers.values())
-
-    def on_grad(name):
-        def hook(grad):
-            poller.phase = name
-        return hook
-
-    def block_output(i):
-        def hook(module, inputs, output):
-            if poller.phase == "forward" and output.requires_grad:  # not the AC recompute in backward
-                output.register_hook(on_grad(f"layer {i} backward"))
-                if i == 0 and inputs[0].requires_grad:  # a frozen embedding (LoRA) has no backward
-                    inputs[0].register_hook(on_grad("embedding backward"))
-        return hook
-
-    def loss_start(module, inputs):
-        if poller.phase == "forward":
-            poller.phase = "loss forward"
-
-    handles = [b.register_forward_hook(block_output(i)) for i, b in enumerate(blocks)]
-    handles.append(model.norm.register_forward_pre_hook(loss_start))
-    return handles
-
-
-@contextlib.contextmanager
-def _fake_world(world: int):
-    """Rank 0 of ``world`` on PyTorch's fake process group (the trainer's ``comm.mode = "fake"``)."""
-    if dist.is_initialized():
-        raise RuntimeError("track_step needs its own fake process group; a process group is already initialized")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def cuda_kernel_choices():
-    """Let ``ops/attention/sdpa.py`` choose its kernels as on CUDA (fake tensors run any kernel's meta
-    function on any device): cp's lower-right causal attention takes the flash kernel in bf16
-    (on CPU it builds a dense ``[Lq, Lk]`` mask and sdpa a bf16 copy of it, 12 GiB per chunk
-    at 128K over cp 2), and GQA expands its kv heads for the kernels that need it."""
-    from unittest import mock
-
-    from titan_ulysses.ops.attention import sdpa as attention
-
-    half = (torch.bfloat16, torch.float16)
-
-    def flash_lower_right(q):
-        return q.dtype in half and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
-
-    def needs_kv_expanded(q, k, dense_mask):
-        return q.shape[2] != k.shape[2] and (dense_mask or q.dtype not in half)
-
-    with mock.patch.object(attention, "_flash_lower_right", flash_lower_right), \
-            mock.patch.object(attention, "_cuda_needs_kv_expanded", needs_kv_expanded):
-        yield
-
-
-@contextlib.contextmanager
-def _offload_to_fake_host(offloader: type, token_scale: float = 1.0, crossed: list | None = None):
-    """``full_offload``'s copies go to the fake host device: what the offloader sends off a CUDA device
-    (its tensors of at least ``min_bytes``) leaves the tracked step's device here. ``token_scale``:
-    the target length over the traced one; a tensor under ``min_bytes`` that would reach it at the
-    target length (if it grows with the tokens) is noted in ``crossed``."""
-    from unittest import mock
-
-    def offloadable(self, t):
-        size = t.numel() * t.element_size()
-        if crossed is not None and t.device.type != HOST.type and size < self.min_bytes <= size * token_scale:
-            crossed.append(f"activation offload min_bytes {self.min_bytes}: a {tuple(t.shape)} tensor")
-        return t.device.type != HOST.type and size >= self.min_bytes
-
-    def to_host(self, t):  # a fake tensor's contents are nothing to copy (and a copy would need CUDA)
-        return torch.empty_like(t, device=HOST)
-
-    with mock.patch.object(offloader, "offloadable", offloadable), mock.patch.object(offloader, "_to_host", to_host):
-        yield
-
-
-@contextlib.contextmanager
-def _sharding_metadata_unseen():
-    """DTensor's sharding propagation learns an op's output shape by running the op on fake tensors of
-    the GLOBAL shapes (``ShardingPropagator._propagate_tensor_meta_non_cached``): in a real step those
-    are fake and cost nothing, but under the tracker's ``FakeTensorMode`` they were counted (every
-    parameter full-size in fp32 during the clipping's ``_foreach`` ops). Here that propagation runs
-    with the tracker's modes off, on a fake mode of its own: nothing it makes is counted."""
-    from unittest import mock
-
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    def unseen(self, op_schema):
-        with _disable_current_modes():  # the propagation makes a fake mode of its own
-            return propagate(self, op_schema)
-
-    with mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached", unseen):
-        yield
 
 
 def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1,
@@ -358,8 +129,8 @@ def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, lo
     compute = _compute(switches)
     host_kinds = CPU_OFFLOAD_KINDS if switches.cpu_offload else ()
     crossed: list[str] = []
-    with _fake_world(world), cuda_kernel_choices(), _offload_to_fake_host(ActivationOffloader, token_scale, crossed), \
-            _sharding_metadata_unseen():
+    with fake_world(world), cuda_kernel_choices(), offload_to_fake_host(ActivationOffloader, token_scale, crossed), \
+            sharding_metadata_unseen():
         pd = ParallelDims(dp_shard=layout.dp_shard, cp=layout.cp, sp=layout.sp, tp=layout.tp, world_size=world)
         pd.build_mesh("cpu")
         with torch.device("meta"):
@@ -406,8 +177,8 @@ def _track(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, lo
             with tracker:
                 if hasattr(tracker, "track_inputs"):
                     tracker.track_inputs(tuple((mb.tokens, mb.labels, mb.positions) for mb in batches))
-                poller = _PhasePeaks(tracker, host_kinds, keyed)
-                handles = _phase_hooks(model, poller)
+                poller = PhasePeaks(tracker, host_kinds, keyed)
+                handles = phase_hooks(model, poller)
                 try:
                     with poller:
                         step(poller, tracker)
