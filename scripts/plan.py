@@ -5,7 +5,7 @@ to start from, the memory per device by phase, and an estimated throughput out.
         [--gpu-memory-gib 80] [--out plan.toml]
 
 The layout and memory switches are the first that fit 90% of the device by the memory
-estimate (``metrics/memory_estimate.py``, ``memory_fit.recommend``: the same search as
+estimate (``planning/estimate.py``, ``planning/recommend.recommend``: the same search as
 ``scripts/estimate_memory.py``). The throughput is an ESTIMATE: the step's FLOPs
 (``metrics/flops.py``, plus the forward recomputed under activation checkpointing) at the
 kernel rates measured in docs/benchmarks.md (bf16 matmul and cuDNN attention on an H200),

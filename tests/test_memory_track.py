@@ -1,6 +1,6 @@
 """The memory estimate's phases against PyTorch's memory tracker over a whole step.
 
-``metrics/memory_track.py`` runs a steady-state step of Llama-3-8B's shape, cut to two
+``planning/track.py`` runs a steady-state step of Llama-3-8B's shape, cut to two
 layers, as rank 0 of a fake world of 8 under ``FakeTensorMode`` (no compute, seconds), and
 PyTorch's ``FSDPMemTracker`` gives each phase's peak. The estimate must name the same peak
 phase (or one within 2% of it) and come within -1% / +4% of every phase it models: the estimate may round up, but
@@ -50,7 +50,7 @@ CASES = {
                                                          head_stages=4), 262144, "loss backward"),
     "staged8-full-ac-tiled-one-gpu": (Layout(), Switches(ac_mode="full", loss_chunk_size=8192, mlp_tile_size=8192,
                                                          head_stages=8), 65536, "embedding backward"),
-    # checkpointed in a group of both layers, full_offload (memory_groups.py): the group's backward holds the lower
+    # checkpointed in a group of both layers, full_offload (planning/groups.py): the group's backward holds the lower
     # block's input and parameters beside the upper one's
     "group2-offload-staged8-tiled-one-gpu": (
         Layout(), Switches(ac_mode="full_offload", ac_layers_per_checkpoint=2, loss_chunk_size=8192,
@@ -187,7 +187,7 @@ def test_groups_hold_what_the_estimate_adds():
     input per group instead of one per block, and the device peak (the top group's backward) holds k - 1 block
     inputs more (and, in the tracker, the RoPE tables' size and k - 1 blocks' unsharded parameters: small here).
     The estimate's host peak is the tracker's (to its optimizer's step counters), and what it adds for the groups
-    to the loss's and the layers' backward is what the tracker adds, to the byte (``memory_groups.py``)."""
+    to the loss's and the layers' backward is what the tracker adds, to the byte (``planning/groups.py``)."""
     import math
 
     n, k, seq = 4, 2, 16384

@@ -7,7 +7,7 @@ out only later, returned as the plan's text (model, layout, data, memory by phas
 * a data sample: the corpus files are listed and their first ``SAMPLE_ROWS`` rows read
   and tokenized as the token store would (SFT rows through the chat template); the corpus
   itself is tokenized at launch, not here (that can take hours on a large corpus);
-* the memory estimate (``metrics/memory_estimate.py``) against the device memory: this
+* the memory estimate (``planning/estimate.py``) against the device memory: this
   machine's GPU, ``--device-memory-gib``, or on a machine without a GPU an 80 GiB H100
   (``DEFAULT_DEVICE_GIB``, as ``scripts/estimate_memory.py``). A launch only warns when the
   estimate exceeds the device; the dry run refuses, naming the layout and switches that fit.

@@ -1,144 +1,11 @@
 """Per-device memory of a training step, from the config alone (pure arithmetic).
 
-Notation, per rank: T = B x S / (cp x sp) local tokens; a = bytes of an activation (the FSDP
-compute dtype: 2 for bf16, 4 for fp32); D model dim; q = Hq x Dh / tp and kv = Hkv x Dh / tp
-the local q and kv widths; r the kv replication factor of Ulysses; F = ffn_hidden / tp;
-V vocabulary; N layers. Where Ulysses splits the heads unevenly (``distributed/heads.py``),
-the attention terms below are those of the busiest rank: ``q`` and ``r kv`` become its
-heads times sp, and a rank that expands its kv heads to one per q head keeps both copies.
-In fp32 with GQA (no cp) CUDA's sdpa kernels other than flash need a kv head per q head
-(``ops/attention.py``): attention keeps the expanded k and v instead.
-
-What autograd keeps per layer and local token without activation checkpointing, read off
-``models/llama/model.py`` (bytes):
-
-* RMSNorm x2: its input and one fp32 scale per token, ``aD + 4`` each (``ops/norm.py``);
-* the q/k/v projections' input (the norm output): ``aD``;
-* RoPE on q and k: its fp32 cos/sin tables are shared by all layers (``4 Dh`` per token, once,
-  with the final norm's input: the root holds them to the end of backward), but in bf16 FSDP casts
-  every block's floating-point inputs to the compute dtype (``MixedPrecisionPolicy``'s
-  ``cast_forward_inputs``), so each block keeps its own bf16 copy of both: ``a Dh`` (kept
-  under every AC mode: they are the checkpoint's inputs; fp32: no copy);
-* attention: q, k, v of the whole sequence and my heads -- one all-to-all buffer,
-  ``a(q + 2 r kv)`` -- its output ``aq`` and logsumexp ``4 Hq/tp``;
-* the output projection's input: ``aq`` after the return all-to-all (sp > 1); without
-  Ulysses it is a view of the attention output, already counted;
-* the MLP: its input ``aD``, w1 and w3 outputs, SiLU output and their product: ``4aF``
-  (tiled MLP: the input only).
-
-Selective AC keeps the matmul, attention and all-to-all outputs (``a(q + 2kv) + 2aD + 2aF``,
-the attention terms and the block input; with a tiled MLP, whose matmuls run inside its
-own recompute, not ``aD + 2aF``: ``distributed/activation_checkpoint.py``); full AC keeps
-the block input ``aD``; full_offload keeps it in host memory, and under both the block's bf16
-RoPE copies stay on the device (the checkpoint holds the ``(cos, sin)`` tuple itself, which no
-saved-tensor hook sees, so ``activation_offload.py`` cannot move it: ``a Dh`` per token and
-layer). Under AC the backward of a layer holds again what its mode did not keep (the recompute,
-``layer_recompute``; under selective AC with cp, the gathered K/V stay beside the prefixes
-recomputed from them).
-
-The peak is the largest of the phases of a steady-state step (``Estimate.phases``), each
-checked against PyTorch's ``FSDPMemTracker`` under fake tensors on CPU
-(``metrics/memory_track.py``, ``scripts/estimate_memory.py --track``). Always resident:
-fp32 master weights sharded by FSDP over dp_shard x cp x sp (blocks also over tp) and two
-fp32 AdamW states alike. The trainer zeroes gradients with ``set_to_none``, so the sharded
-fp32 gradients exist only from each block's reduce-scatter in backward until the optimizer
-step (with gradient accumulation, ``Switches.microbatches > 1``, from the first microbatch
-on). FSDP keeps the root's parameters (embeddings, final norm, output) unsharded in the
-compute dtype from forward to the end of backward (``distributed/fsdp.py``:
-``reshard_after_forward=False``), and its last all-gather buffer, one block's worth, until
-the next all-gather. The phases:
-
-* loss forward: everything forward saved, plus the logits of one chunk (``logits``): the
-  chunked loss (``ops/loss.py``) holds ``chunk x V`` fp32 logits and their log-softmax,
-  ``8 chunk V``; unchunked, the compute-dtype logits, their fp32 upcast and log-softmax;
-* loss backward: the same, with the chunked loss's fp32 ``[V, D]`` output-weight gradient
-  and the hidden states' gradient (``loss_weight_gradient``) beside a chunk's fp32 logits
-  and softmax (``8 chunk V``); unchunked, the saved fp32 log-probabilities, their gradient
-  and log-softmax's backward output (``12 T V``); one block prefetched. Where the chunk is
-  small, the final RMSNorm's fp32 temporaries are the peak of both loss phases instead
-  (``norm_working_set``: ``16 D T`` bytes in backward plus a ``4 D T`` upcast in bf16);
-* each layer's backward (the largest of the last two and the first two layers: the terms
-  are linear in the layer index between them; checkpointed in groups, of the last two and the
-  first two groups, with ``memory_groups.py``'s terms): the sharded gradients of the blocks
-  after it, the root's parameters and the output weight's gradient in the compute dtype,
-  this block's unsharded parameters and gradients and the next block's all-gather
-  (``unsharded_working_params``; block 0 has no next; under full_offload also the input of the
-  block below, ``aD`` per token, on its way back from the host while this block runs its
-  backward), the previous block's fp32 reduce-scatter input, which FSDP keeps until the next
-  reduce-scatter (``reduce_scatter``), the saved activations of
-  this layer and the ones below, the recompute, and the largest of the attention's, the
-  MLP's and the ffn_norm's backward working sets (the last: its fp32 temporaries, as the
-  final norm's below, and two residual-stream gradients, once the MLP's intermediates are
-  freed; the peak where the MLP is tiled);
-* the embeddings' backward and the root's reduce-scatter at the end of backward: every
-  block's sharded gradients, and the larger of the embeddings' backward (the root's
-  parameters, the output weight's and the embeddings' gradients, block 0's reduce-scatter
-  input) and the root's reduce-scatter (its gradients in the compute dtype and their fp32
-  reduce-scatter input; the root's parameters are resharded before it; in a world of one,
-  the input beside a full-size output and FSDP's out-of-place division, and the output weight's
-  gradient, the last root gradient, unless the embeddings are tied; ``root_gradients``);
-* the optimizer step: parameters, gradients and states (the fused AdamW of CUDA allocates
-  no temporaries).
-
-The forward of a layer holds less than its backward (no gradients), so it is not a phase
-here. Working sets, counted at their peak: the attention's (the all-to-all send and receive
-buffers and attention gradients, ``3 a (q + 2 r kv)`` per token) and the MLP's backward (its
-output's gradient, the SiLU and product gradients beside the recomputed intermediates,
-``2aF`` per token beyond the recompute; tiled, ``ops/tiled.py``: the output's and the input's
-gradients, ``2aD`` per token, beside one tile's recompute and backward, ``6aF + 2aD`` per tile
-token, and the MLP weights' gradients -- their sums over the tiles before, the previous tile's and
-the one being made, ``7 a DF``; under AC the recompute's forward before it holds the tiles'
-outputs and their concatenation, ``2aD`` per token, beside the output's gradient instead. The
-tiled MLP's backward comes first in the block's: none of the block's gradients exist yet.
-At one GPU and millions of tokens that is the peak: the 1B shape's whole 2M tokens over one rank
-hold eight ``[T, D]`` tensors at the concatenation under full_offload: the block's input, the
-next one's, the two norms' outputs, the residual, the output's gradient, the tiles and the
-concatenation).
-CPU offload moves the sharded parameters, gradients and optimizer state to host memory
-(``host_offloaded``: their peak beside full_offload's block inputs, ``memory_groups.host_bytes``).
-Not modelled: the CUDA context and NCCL buffers (about 1-3 GiB on an H100), allocator
-fragmentation, CUDA kernels' workspaces (cuBLAS, the flash attention backward's fp32 dq
-accumulator; on an H200, 0.06 GiB beyond the tracker at the 8B's peak, so the estimate is
-that much under ``max_memory_allocated``: ``memory_fit.BUDGET`` leaves 10% of the device
-for all of these), torch.compile's buffers and its fusions (compiled norms and SiLU keep
-fewer fp32 temporaries: compiled steps need less). ``scripts/estimate_memory.py
---validate`` compares the estimate with a measured step on CUDA, ``--track`` with the CPU
-tracker.
-
-Head-staged attention (``Switches.head_stages`` > 1, ``distributed/staged_attention.py``): a layer
-keeps no attention tensor and no output-projection input past its backward (each stage is its
-own checkpoint, keeping only the norm's output, counted above); its backward holds one stage at
-a time, the larger of (``stage_bytes_per_token``) the stage's forward inside the layer's recompute
-(the stages' sum so far and the last share of the layer output beside its projections and RoPE's
-fp32 temporaries: at sp=8 with one head per stage, the layer's peak) and its backward (the
-kernel's saved q/k/v, output and their gradients, or the stage's gradient of the norm's output
-and its sum with the earlier stages'). With ``Switches.stage_keep_attention`` (``distributed/stage_keep.py``)
-the stages keep their kernel's outputs, every stage's output and fp32 logsumexp, ``a q + 4 Hq``
-per token for the busiest rank (``stage_kept_per_token``; q/k/v are still recomputed one stage at
-a time): without AC from forward to the layer's backward, as plain Ulysses keeps its attention
-output; under full AC or full_offload only in the layer's backward (its recompute records them,
-each stage's recompute takes its own), so they are part of the recompute there; a stage's own
-output and logsumexp are then not counted twice. Selective AC's policy sees the ops inside every
-stage's checkpoint, keep or not: its cache holds each stage's projections, all-to-all and kernel
-outputs and its ``[T, D]`` share of the layer output (``stage_selective_per_token``: G shares
-where plain Ulysses keeps one), and the layer's recompute frees the shares as it sums them.
-Against the tracker (the 1B shape, two layers, 8 stages, 128K tokens, one rank and sp=2): keep
-adds what the tracker adds to each phase to the byte under none, full and full_offload; selective
-3% to 4% over in a layer's backward. Without keep, at the peak (a layer's backward): the 1B shape
-at 2M tokens on one GPU (``llama3_1b_2m_one_gpu.toml``) +0.1%, the 8B at 1.2M on one H200 +0.4%
-(27% and 30% under before the tiled MLP's gradients, the host prefetch and the RoPE copies were
-counted); the 8B over sp=8 with 4 stages, three layers, 1M and 4M tokens: -0.1%, +0.8%; the staged
-cases of ``tests/test_memory_track.py`` -0.0% in a layer's backward.
-
-Context parallelism (cp > 1, ``distributed/context_parallel.py``) adds, per layer, the keys and
-values each of a rank's two chunks attends to: the prefixes of the gathered K/V that end with
-the chunk, ``(2cp + 1) / 2cp`` of the sequence together: ``a r kv (2cp + 1)`` per local token in
-bf16 (the flash kernel takes GQA), ``a q (2cp + 1)`` in fp32 (expanded to the q heads), kept for
-backward (recomputed under full AC; selective AC keeps the all-gathered K/V they are cut
-from instead, ``2 a cp r kv``); the attention working set grows by their gradients.
-Parameters shard over dp_shard x cp x sp. Not modelled: packed documents' masks (none is
-``[S, S]`` above 16M elements: ``ops/attention/registry.py``; sdpa's per-document op keeps only
-q, k, v and recomputes the segments in backward, the same terms as above).
+``estimate`` adds up the terms each phase of a steady-state step holds together (``Estimate.phases``) and
+takes the largest phase as the peak: a plain sum of every term would count transients that never live
+together. What one layer keeps per local token is ``layer_terms.py``'s, checkpoint groups' terms
+``groups.py``'s. The derivation, the notation of the comments below (T, a, D, q, kv, r, F, V) and where
+the model is known to be off: docs/memory_model.md. Each phase is checked against the CPU tracker
+(``track.py``; ``tests/test_memory_track.py``, ``scripts/estimate_memory.py --track``).
 """
 
 from __future__ import annotations
@@ -188,7 +55,7 @@ class Estimate:
     """The final RMSNorm's fp32 temporaries in backward (its forward holds fewer), beside the output weight's
     and the hidden states' gradients: the loss phases' peak where the logits chunk is small."""
     phases: dict[str, float] = field(default_factory=dict)
-    """Phase of the step -> bytes alive at its peak (see the module docstring)."""
+    """Phase of the step -> bytes alive at its peak (docs/memory_model.md, "The phases")."""
 
     @property
     def total(self) -> float:
@@ -273,7 +140,7 @@ def estimate(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int, 
     attention_ws = 3 * a * (qa + 2 * kva_held) * tokens + 2 * cp_kv
     if s.head_stages > 1:  # one stage at a time: its forward in the layer's recompute or its backward
         attention_ws = max(stage_bytes_per_token(args, layout, s)) * tokens + 2 * cp_kv
-    if s.mlp_tile_size:  # ops/tiled.py: see the module docstring
+    if s.mlp_tile_size:  # ops/tiled.py: docs/memory_model.md, the working sets of a layer's backward
         tile = min(s.mlp_tile_size, tokens)
         tile_ws = 6 * a * f * tile + 2 * a * d * tile + 7 * a * d * f
         # beside the output's gradient: the input's gradient and one tile's backward; under AC, the

@@ -1,26 +1,10 @@
-"""Activation checkpointing in groups of k blocks in the memory estimate (``memory_estimate.py``).
+"""Activation checkpointing in groups of k blocks in the memory estimate (``estimate.py``).
 
-``activation_checkpoint.layers_per_checkpoint`` = k > 1 (``Switches.ac_layers_per_checkpoint``,
-``distributed/activation_checkpoint.py``): under full AC or full_offload, forward keeps only each
-group's input -- ``ceil(N / k)`` block inputs of ``a D`` bytes per local token instead of ``N``,
-on the device (full) or in host memory (full_offload); the blocks' bf16 RoPE copies stay as with
-k = 1. The backward of block ``i``, the ``j``-th of its group ``g`` (``i = g k + j``), holds beside
-what it holds with k = 1 (counted against PyTorch's ``FSDPMemTracker``, ``metrics/memory_track.py``,
-the 8B shape in 8 layers at k = 1, 2 and 4, full_offload and full):
-
-* the inputs of the ``j`` blocks below it in its group, which the group's recompute made and their
-  own backward frees (full: the inputs of the other blocks of the groups below are gone);
-* those ``j`` blocks' gathered compute-dtype parameters: FSDP does not reshard after a forward
-  inside backward, so the group's recompute leaves them unsharded until their own backward;
-* under full_offload, in the lowest group (``g = 0``, ``j > 0``), no block input on its way back
-  from the host (no group below it);
-* ``4 Dh`` bytes per local token, the size of the root's fp32 RoPE tables, from the loss's backward
-  to the end of the blocks' (the tracker's; not traced to a line of code).
-
-Not a phase here: forward holds one block input more than k = 1 (a group's input until it returns).
-Host memory with FSDP CPU offload (``Switches.cpu_offload``): the sharded fp32 parameters and the
-optimizer state throughout, and the gradients from the blocks' reduce-scatters on, while the block
-inputs return to the device: the larger of the two ends of backward.
+``activation_checkpoint.layers_per_checkpoint`` = k > 1 under full AC or full_offload: forward keeps one input
+per group, ``ceil(N / k)`` instead of ``N`` (on the device under full, on the host under full_offload), and a
+block's backward holds what its group's recompute made for the blocks below it. Each term was counted to the
+byte against the tracker (the 8B shape in 8 layers at k = 1, 2 and 4, full and full_offload;
+``tests/test_memory_track.py``); docs/memory_model.md, "What a layer keeps".
 """
 
 from __future__ import annotations
@@ -40,12 +24,16 @@ def kept_inputs(n_layers: int, k: int) -> int:
 
 def layer_backward_extra(i: int, k: int, ac_mode: str, block_input: float, one_block: float,
                          rope_tables: float) -> float:
-    """Bytes block ``i``'s backward holds beyond the k = 1 estimate's (module docstring); 0 for k = 1.
-    ``block_input``: one block input (``a D T``); ``one_block``: one block's compute-dtype parameters;
+    """Bytes block ``i`` (the ``j``-th of group ``g``) holds in its backward beyond the k = 1 estimate's; 0 for
+    k = 1. ``block_input``: one block input (``a D T``); ``one_block``: one block's compute-dtype parameters;
     ``rope_tables``: ``4 Dh T``."""
     if k == 1:
         return 0.0
     g, j = divmod(i, k)
+    # the inputs of the j blocks below it in its group, which the group's recompute made and their own backward
+    # frees, and their gathered parameters (FSDP does not reshard after a forward inside backward); and, from
+    # the loss's backward to the end of the blocks', a term the size of the root's fp32 RoPE tables (the
+    # tracker's; not traced to a line of code)
     extra = j * (block_input + one_block) + rope_tables
     if ac_mode == "full":  # the k = 1 estimate counts every block input below; only the groups' are kept
         extra -= (i - g) * block_input

@@ -25,7 +25,7 @@ class Layout:
 class Switches:
     ac_mode: str = "none"
     ac_layers_per_checkpoint: int = 1
-    """``activation_checkpoint.layers_per_checkpoint``: full AC in groups of this many blocks (``memory_groups.py``)."""
+    """``activation_checkpoint.layers_per_checkpoint``: full AC in groups of this many blocks (``groups.py``)."""
     loss_chunk_size: int = 0
     mlp_tile_size: int = 0
     cpu_offload: bool = False

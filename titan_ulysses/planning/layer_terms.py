@@ -1,6 +1,8 @@
-"""What one layer keeps per local token: the attended widths, cp's K/V prefixes, head stages' terms.
+"""What one layer keeps for backward per local token, and the attention widths behind it.
 
-``estimate.py`` sums these into the step's phases (docs/memory_model.md).
+The attended widths of the busiest sp rank (uneven head splits, expanded kv heads), cp's K/V prefixes, the
+head stages' terms and ``layer_bytes_per_token`` under each activation checkpointing mode: the terms
+``estimate.py`` sums into the step's phases. Derived in docs/memory_model.md, "What a layer keeps".
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def widths(args: LlamaArgs, layout: Layout, fp32: bool = False) -> tuple[int, in
 
 
 def cp_kv_per_token(args: LlamaArgs, layout: Layout, s: Switches) -> float:
-    """Bytes per local token of the K/V prefixes a cp rank's two chunks attend to (see above)."""
+    """Bytes per local token of the K/V prefixes a cp rank's two chunks attend to: ``(2cp + 1) / 2cp`` of the
+    sequence together (docs/memory_model.md)."""
     _, _, _, qa, _, kva, _ = widths(args, layout)
     width = kva if s.act_bytes == 2 else qa  # bf16: flash takes GQA; fp32: expanded to the q heads
     return s.act_bytes * width * (2 * layout.cp + 1)

@@ -68,7 +68,7 @@ class PhasePeaks(TorchDispatchMode):
 
     With ``keyed`` also the largest per phase and *event*: the op, the innermost line of this
     project's code that ran it, the autograd node running (in backward) and the modules active
-    (``track_extrapolation.py`` extrapolates each event in tokens, then takes the phase's largest)."""
+    (``extrapolate.py`` extrapolates each event in tokens, then takes the phase's largest)."""
 
     def __init__(self, tracker, host_kinds: tuple[str, ...] = (), keyed: bool = False):
         super().__init__()

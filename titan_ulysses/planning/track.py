@@ -1,44 +1,15 @@
 """One training step's memory, measured phase by phase on CPU without computing anything.
 
-``track_step`` builds the model as the trainer does (meta device, the family's parallelize,
-FSDP2 over the simulated layout), joins PyTorch's fake process group as rank 0 of the
-simulated world, and runs a steady-state step -- forward with the (chunked) loss, backward,
-gradient clipping, the AdamW step, ``zero_grad(set_to_none=True)`` -- under
-``FakeTensorMode``, so that Llama-3-8B at 128K tokens costs seconds and no memory.
-PyTorch's ``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``) follows every
-storage and sorts it by kind (sharded and unsharded parameters and gradients, all-gather and
-reduce-scatter buffers, optimizer state, activations, backward temporaries); ``_PhasePeaks``
-below only reads the tracker's current snapshot after each op and keeps its maximum per phase
-of the step (forward, loss forward, loss backward, each layer's backward, the embeddings'
-backward with the root's reduce-scatter, clipping, the optimizer step).
-
-What it mirrors: ``Trainer.train_step`` (which cannot run under fake tensors: it reads the
-loss with ``.item()``), the fused AdamW the trainer builds on CUDA, the bf16/fp32 mixed
-precision of FSDP, Ulysses (head-staged too), cp, tp and every AC mode.
-What CPU cannot see (not in the numbers): CUDA kernels' workspaces (cuBLAS, the flash /
-cuDNN attention backward's fp32 dq accumulator and, for GQA, its dk/dv expanded to the q
-heads), NCCL buffers, the caching allocator's rounding and fragmentation, and
-torch.compile's buffers (the step runs eagerly). CPU kernels differ from CUDA ones where
-``ops/attention.py`` says so (cp's lower-right mask is a dense ``[Lq, Lk]`` boolean on CPU).
-Host and device: the step runs on the fake ``cpu`` device, and what goes to host memory is
-put on a fake ``cuda`` device instead (the tracker only needs the two to differ):
-``full_offload``'s block inputs (``activation_offload.py``'s copies, patched here). FSDP
-CPU offload cannot be faked so (FSDP2 needs the device's streams), so the step runs without
-it and counts FSDP's sharded parameters and gradients and the optimizer state as host memory
-(FSDP keeps exactly those on the host; their transient device copies, one block's shard in
-an all-gather or reduce-scatter, are not counted).
-
-Cost: every op is a Python call into the tracker, so the time grows with the layers and with
-the tokens over the chunk sizes. ``track_extrapolation.py`` says which steps are traced (three and
-four layers, or groups of checkpointed layers; short lengths, each event's bytes extrapolated
-affinely in the tokens, checked on a third length, else the full length) and why that is exact;
-``StepMemory.traced`` says what was.
-DTensor's sharding propagation runs ops on fake tensors of the global shapes to learn output
-shapes; that is not counted (``_sharding_metadata_unseen``).
-One artefact of the tracker itself: its wrapper of FSDP's post-backward keeps the last
-parameter's unsharded gradient referenced through the reduce-scatter; for the root that is
-the output weight (untied), so in a world of one, where the root's reduce-scatter is the
-step's peak, the tracker counts ``a V D`` bytes more than a real step holds.
+``track_step`` builds the model as the trainer does (meta device, the family's parallelize, FSDP2 over the
+simulated layout) and runs a steady-state step -- forward with the loss, backward, clipping, the fused
+AdamW step, ``zero_grad(set_to_none=True)`` -- as rank 0 of a fake process group under ``FakeTensorMode``:
+Llama-3-8B at 128K tokens costs seconds and no memory. It mirrors ``Trainer.train_step``, which cannot run
+under fake tensors (it reads the loss with ``.item()``). PyTorch's ``FSDPMemTracker`` sorts every storage
+by kind and ``phases.py`` keeps each phase's peak; ``fake_step.py`` patches what a CPU step does
+differently from a CUDA one. FSDP CPU offload cannot be faked (FSDP2 needs the device's streams): the
+step runs without it and counts the sharded parameters, gradients and optimizer state as host memory.
+Long deep steps are traced short and shallow and extrapolated exactly (``extrapolate.py``). What the
+tracker cannot see (CUDA workspaces, NCCL, the allocator, compile): docs/memory_model.md.
 """
 
 from __future__ import annotations
@@ -62,7 +33,7 @@ def track_step(args: LlamaArgs, layout: Layout, switches: Switches, seq_len: int
 
     With ``extrapolate``: traced at three and four layers (more than four), or groups of
     ``Switches.ac_layers_per_checkpoint`` layers, and at short lengths (a long one), each phase
-    extrapolated to ``args.n_layers`` and ``seq_len`` (``track_extrapolation.py``); ``StepMemory.traced``
+    extrapolated to ``args.n_layers`` and ``seq_len`` (``extrapolate.py``); ``StepMemory.traced``
     says what was traced."""
     import dataclasses
 
