@@ -34,7 +34,6 @@ from titan_ulysses.distributed.float8 import check_float8, float8_options
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.staged_attention import check_head_stages
 from titan_ulysses.distributed.ulysses import check_heads
-from titan_ulysses.planning import dry_run
 from titan_ulysses.models.registry import check_compute
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.attention import check_attention_settings
@@ -150,4 +149,6 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
     dims = validate(config, world_size)
     check_files(config)
     tokenizer = load_tokenizer(config)
+    from titan_ulysses.planning import dry_run  # here: a launch imports this module, and needs no planner
+
     return dry_run.describe(config, world_size, dims, tokenizer, device_gib, record_note)
