@@ -151,4 +151,12 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
     tokenizer = load_tokenizer(config)
     from titan_ulysses.planning import dry_run  # here: a launch imports this module, and needs no planner
 
-    return dry_run.describe(config, world_size, dims, tokenizer, device_gib, record_note)
+    return dry_run.describe(config, world_size, dims, tokenizer, _datasets(config), device_gib, record_note)
+
+
+def _datasets(config: JobConfig) -> list[tuple[str, str, str]]:
+    t, v = config.training, config.validation
+    out = [("training", t.dataset, t.dataset_path)]
+    if v.enable:
+        out.append(("validation", v.dataset or t.dataset, v.dataset_path))
+    return out

@@ -53,10 +53,11 @@ def device_memory(gib: float | None) -> tuple[float, str]:
                                       f"--device-memory-gib sets it)")
 
 
-def describe(config: JobConfig, world_size: int, dims, tokenizer, device_gib: float | None = None,
-             note: str | None = None) -> str:
+def describe(config: JobConfig, world_size: int, dims, tokenizer, datasets: list[tuple[str, str, str]],
+             device_gib: float | None = None, note: str | None = None) -> str:
     """The plan of a config that passed the pre-flight, as text; a ConfigError / DataError for what only a launch
-    would find (the memory beyond the device, a data sample the run would refuse). ``note``: the start record's."""
+    would find (the memory beyond the device, a data sample the run would refuse). ``datasets``: (name, kind, path)
+    of each dataset the config names; ``note``: the start record's."""
     args = model_args(config, tokenizer.vocab_size)
     m = config.model
     source = (f"{describe_model(args)} (from {m.hf_assets_path}/config.json)" if m.hf_assets_path
@@ -66,7 +67,7 @@ def describe(config: JobConfig, world_size: int, dims, tokenizer, device_gib: fl
              f"tokenizer {m.tokenizer} ({tokenizer.vocab_size} ids, model vocab {args.vocab_size})"]
     lines += _layout(config, dims, args)
     lines += [_data(config, tokenizer, kind, path, name)
-              for name, kind, path in datasets(config)]
+              for name, kind, path in datasets]
     lines += _memory(config, dims, device_gib)
     lines += _saves(config)
     return "\n".join(lines + ([f"note: {note}"] if note else []))
@@ -84,14 +85,6 @@ def _layout(config: JobConfig, dims, args) -> list[str]:
     if note:
         lines.append(f"note: {note}")
     return lines
-
-
-def datasets(config: JobConfig) -> list[tuple[str, str, str]]:
-    t, v = config.training, config.validation
-    out = [("training", t.dataset, t.dataset_path)]
-    if v.enable:
-        out.append(("validation", v.dataset or t.dataset, v.dataset_path))
-    return out
 
 
 def _data(config: JobConfig, tokenizer, kind: str, path: str, name: str) -> str:
