@@ -7,22 +7,26 @@ parallelism layout, this machine or the files the settings name is here:
 * ``validate(config, world_size)``: the layout (``ParallelDims``), the heads and sequence
   length for it, the attention and float8 settings; reads the model's config.json when
   ``model.hf_assets_path`` is set (through ``models/resolve.py``);
-* ``check_files(config)``: the tokenizer file, the Hugging Face weights' safetensors
-  headers, the DCP metadata of ``checkpoint.initial_load_path``.
+* ``check_files(config)``: the tokenizer files, the chat template of an SFT dataset, the
+  Hugging Face weights' safetensors headers, the DCP metadata of ``checkpoint.initial_load_path``.
 
 The trainer runs both before it joins the process group.
 
 ``plan(config, world_size)`` is ``python train.py --config X --dry-run --world-size N``:
-the two above for ``N`` ranks, then ``planning/dry_run.py``'s plan of what a launch finds out
-only later (model, layout, data, memory by phase, what is saved where).
+the two above for ``N`` ranks and what a launch finds out only once started (the output folders
+and, with W&B on, a login: ``metrics/loggers/wandb_logger.py``'s ``login_problem``), then
+``planning/dry_run.py``'s plan of what a launch finds out later still (model, layout, data, memory
+by phase, what is saved where).
 """
 
 from __future__ import annotations
 
 import os
 
+from titan_ulysses.checkpoint.folders import output_folders_problem
 from titan_ulysses.checkpoint.hf import check_hf_weights
 from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
+from titan_ulysses.checkpoint.verify import ALL
 from titan_ulysses.checkpoint.weight_source import adopt_start_record, hf_weights_wanted
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError, check_config, check_requirements, resolved_global_batch_size
@@ -34,6 +38,7 @@ from titan_ulysses.distributed.float8 import check_float8, float8_options
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.staged_attention import check_head_stages
 from titan_ulysses.distributed.ulysses import check_heads
+from titan_ulysses.metrics.loggers.wandb_logger import login_problem
 from titan_ulysses.models.registry import check_compute
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.attention import check_attention_settings
@@ -51,7 +56,8 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     try:
         dims = ParallelDims(
             dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            cp=p.context_parallel_degree, sp=p.ulysses_degree, tp=p.tensor_parallel_degree, world_size=world_size,
+            cp=p.context_parallel_degree, sp=p.ulysses_degree, tp=p.tensor_parallel_degree,
+            ep=p.expert_parallel_degree, world_size=world_size,
         )
     except ValueError as e:
         raise ConfigError(f"parallelism: {e}") from e
@@ -120,7 +126,12 @@ def check_files(config: JobConfig) -> None:
             raise ConfigError(f"model.{'tokenizer_path' if m.tokenizer_path else 'hf_assets_path'}: {e}") from e
     # the file read whole (a broken tokenizer.json, no EOS, a garbage tiktoken file) and its ids
     # against the model's vocabulary, before any process group (issue 20)
-    model_args(config, load_tokenizer(config).vocab_size)
+    tokenizer = load_tokenizer(config)
+    model_args(config, tokenizer.vocab_size)
+    if any(kind == "sft" for _, kind, _ in _datasets(config)):  # the chat template parses (a DataError naming it)
+        from titan_ulysses.data.chat import load_chat_template
+
+        load_chat_template(config.training.chat_template, tokenizer)
     if hf_weights_wanted(config):
         try:
             check_hf_weights(m.hf_assets_path, args)
@@ -145,9 +156,14 @@ def load_tokenizer(config: JobConfig):
 def plan(config: JobConfig, world_size: int, device_gib: float | None = None) -> str:
     """Every pre-launch check for ``world_size`` ranks, then the plan (``planning/dry_run.py``) as text, or a
     ConfigError / DataError."""
-    record_note = adopt_start_record(config)  # as the trainer: the start checkpoint may give the architecture
+    # as the trainer: the start checkpoint may give the architecture; verified whole here (one process)
+    record_note = adopt_start_record(config, shards=ALL)
     dims = validate(config, world_size)
     check_files(config)
+    # what a launch finds out only once started: the output folders, a W&B login (wandb.init)
+    problem = output_folders_problem(config) or (login_problem() if config.metrics.enable_wandb else None)
+    if problem:
+        raise ConfigError(problem)
     tokenizer = load_tokenizer(config)
     from titan_ulysses.planning import dry_run  # here: a launch imports this module, and needs no planner
 

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from titan_ulysses.checkpoint.folders import output_folder_problem
+from titan_ulysses.checkpoint.folders import output_folders_problem
 from titan_ulysses.checkpoint.hf_export import write_model_record
 from titan_ulysses.checkpoint.lora_export import write_lora_record
 from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
@@ -107,7 +107,7 @@ class Trainer:
         check_dataset_files(config)  # before the layout: a layout error must not hide a missing file
         self.parallel_dims: ParallelDims = validate(config, world_size)  # before any process group work
         check_files(config)
-        problem = output_folder_problem("job.dump_folder", config.job.dump_folder)
+        problem = output_folders_problem(config)
         if problem:
             raise ConfigError(problem)
         self.fake = config.comm.mode == "fake"

@@ -5,8 +5,9 @@ out only later, returned as the plan's text (model, layout, data, memory by phas
 
 * the tokenizer, built as the trainer builds it, against the model's vocabulary;
 * a data sample: the corpus files are listed and their first ``SAMPLE_ROWS`` rows read
-  and tokenized as the token store would (SFT rows through the chat template); the corpus
-  itself is tokenized at launch, not here (that can take hours on a large corpus);
+  and tokenized as the token store would (SFT rows through the chat template), and a text
+  corpus read on until it fills one window of ``training.seq_len`` (a launch refuses one that
+  cannot); the corpus itself is tokenized at launch, not here (that can take hours);
 * the memory estimate (``planning/estimate.py``) against the device memory: this
   machine's GPU, ``--device-memory-gib``, or on a machine without a GPU an 80 GiB H100
   (``DEFAULT_DEVICE_GIB``, as ``scripts/estimate_memory.py``). A launch only warns when the
@@ -24,6 +25,7 @@ from titan_ulysses.checkpoint.manager import complete_steps
 from titan_ulysses.checkpoint.weight_source import damaged_checkpoints, fresh_source
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError, resolved_global_batch_size
+from titan_ulysses.data.build import fewer_than_one_window
 from titan_ulysses.data.datasets import PasskeyDataset
 from titan_ulysses.data.sources import DataError, list_files, read_rows, work_items
 from titan_ulysses.distributed.heads import uneven_note
@@ -98,24 +100,41 @@ def _data(config: JobConfig, tokenizer, kind: str, path: str, name: str) -> str:
     files = list_files(path, key)
     size = sum(os.path.getsize(f) for f in files)
     encode = _encoder(config, tokenizer, kind)
-    lengths = []
-    for item in work_items(files):
-        for where, row in read_rows(item):
-            ids, _ = encode(where, row)
+    lengths, window = [], _Window(t, kind)
+    for where, row in (pair for item in work_items(files) for pair in read_rows(item)):
+        ids, _ = encode(where, row)
+        if len(lengths) < SAMPLE_ROWS:
             if kind == "sft" and len(ids) > t.seq_len and t.overlong_samples == "error":
                 raise DataError(f"{where}: an SFT sample of {len(ids)} tokens is longer than training.seq_len "
                                 f"{t.seq_len}; set training.overlong_samples to 'truncate' or 'drop'")
             lengths.append(len(ids))
-            if len(lengths) == SAMPLE_ROWS:
-                break
-        if len(lengths) == SAMPLE_ROWS:
+        if window.add(len(ids)) and len(lengths) == SAMPLE_ROWS:
             break
     if not lengths:
         raise DataError(f"{key} {path!r} holds no documents (empty file?)")
+    if not window.filled():
+        raise DataError(fewer_than_one_window(path, window.tokens, t))
     rows = "packed into windows with document masks" if t.packing else "one per window"
     return (f"{name} data: {kind} {path}: {len(files)} file(s), {size / 2**20:.1f} MiB; first {len(lengths)} rows "
             f"tokenize to {sum(lengths)} tokens (longest {max(lengths)}), {rows} of {t.seq_len}; "
             f"the corpus is tokenized at launch into {t.dataset_cache_dir or 'a .titan_cache folder beside it'}")
+
+
+class _Window:
+    """Whether the rows read so far fill one window, as the launch's text datasets count (``data/windows.py``):
+    ``seq_len`` tokens of kept documents when packing, else one kept document. SFT has refusals of its own."""
+
+    def __init__(self, training, kind: str):
+        self.t, self.kind, self.tokens, self.kept, self.docs = training, kind, 0, 0, 0
+
+    def add(self, n: int) -> bool:
+        self.tokens += n
+        if n >= self.t.min_document_tokens:
+            self.kept, self.docs = self.kept + n, self.docs + 1
+        return self.filled()
+
+    def filled(self) -> bool:
+        return self.kind != "text" or (self.kept >= self.t.seq_len if self.t.packing else self.docs > 0)
 
 
 def _encoder(config: JobConfig, tokenizer, kind: str):
