@@ -100,8 +100,8 @@ def families_bf16(ctx):
 def _estimate_gib(config_path: str, overrides: list[str], world: int, n_layers: int | None = None) -> dict:
     """The planner's estimate of the same step (``scripts/estimate_memory.py``'s arithmetic, in process)."""
     from titan_ulysses.config.manager import load_config
-    from titan_ulysses.metrics.memory_estimate import estimate
-    from titan_ulysses.metrics.memory_fit import from_config
+    from titan_ulysses.planning.estimate import estimate
+    from titan_ulysses.planning.inputs import from_config
     from titan_ulysses.preflight import validate
 
     config = load_config(["--config", config_path, *overrides])

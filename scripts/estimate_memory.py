@@ -6,7 +6,7 @@
     python scripts/estimate_memory.py --config train_configs/debug_model.toml --world-size 1 \\
         --parallelism.ulysses_degree 1 --validate
 
-The model of what is kept is in ``titan_ulysses/metrics/memory_estimate.py``. The
+The model of what is kept is ``titan_ulysses/planning/estimate.py`` (docs/memory_model.md). The
 recommendation tries the ranks per sequence smallest first (Ulysses where the heads allow,
 ulysses x context_parallel where they do not, on every attention backend the registry says runs
 under cp) and adds memory
@@ -16,7 +16,7 @@ split fits without it.
 
 ``--track`` (any machine, seconds, no memory) runs a steady-state step of this config as
 rank 0 of the simulated world under ``FakeTensorMode`` and PyTorch's ``FSDPMemTracker``
-(``titan_ulysses/metrics/memory_track.py``) and prints its peak per phase and, at the
+(``titan_ulysses/planning/track.py``) and prints its peak per phase and, at the
 peak, per kind (parameters, gradients, optimizer state, activations, temporaries, FSDP
 buffers) beside the estimate's phases. It cannot see what only CUDA allocates: kernels'
 workspaces (cuBLAS; flash / cuDNN attention backward's fp32 dq accumulator and, with GQA,
@@ -24,9 +24,9 @@ dk/dv expanded to the q heads), NCCL buffers, the caching allocator's rounding a
 fragmentation, torch.compile's buffers (the step is eager; attention is sdpa, choosing its
 kernels as on CUDA). Host memory is tracked apart from the device's: ``full_offload``'s
 block inputs and, with FSDP CPU offload, the sharded parameters, gradients and optimizer
-state (``memory_track.py`` says how). Models of more than four layers are traced at three
+state (``planning/track.py`` says how). Models of more than four layers are traced at three
 and four layers, and long sequences at short lengths that are multiples of every chunk size,
-checked on a third, and extrapolated (``metrics/track_extrapolation.py``); the output says
+checked on a third, and extrapolated (``planning/extrapolate.py``); the output says
 what was traced. ``--validate`` runs two real steps and compares: on CUDA the second
 (steady-state) step's whole peak (``torch.cuda.max_memory_allocated``, one process; in
 fake mode for a world size above 1; measured on an H200, see docs/benchmarks.md); on CPU
@@ -43,8 +43,9 @@ import json
 import sys
 
 from titan_ulysses.config.manager import ConfigError, load_config
-from titan_ulysses.metrics.memory_estimate import GIB, Switches, estimate, largest_seq_len
-from titan_ulysses.metrics.memory_fit import BUDGET, from_config, recommend
+from titan_ulysses.planning.estimate import estimate, largest_seq_len
+from titan_ulysses.planning.inputs import GIB, Switches, from_config
+from titan_ulysses.planning.recommend import BUDGET, recommend
 from titan_ulysses.preflight import validate
 
 def saved_bytes(model, tokens, positions=None) -> int:
@@ -77,7 +78,7 @@ def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int
     if switches.ac_mode == "selective":
         raise SystemExit("--validate on CPU measures through saved-tensor hooks, which selective AC bypasses; "
                          "use activation_checkpoint.mode none, full or full_offload")
-    from titan_ulysses.metrics.memory_track import cuda_kernel_choices
+    from titan_ulysses.planning.fake_step import cuda_kernel_choices
 
     dtype = torch.float32 if switches.act_bytes == 4 else torch.bfloat16
     compute = ComputeOptions(mlp_tile_size=switches.mlp_tile_size, loss_chunk_size=switches.loss_chunk_size)
@@ -123,9 +124,9 @@ def _block_progress(passes: int, desc: str):
 
 
 def track(args, layout, switches, seq_len: int, batch: int, est) -> dict:
-    """The CPU tracker's step (``metrics/memory_track.py``) beside the estimate, phase by phase."""
-    from titan_ulysses.metrics.memory_track import track_step
-    from titan_ulysses.metrics.track_extrapolation import sample_lengths, tracked_layer_counts
+    """The CPU tracker's step (``planning/track.py``) beside the estimate, phase by phase."""
+    from titan_ulysses.planning.track import track_step
+    from titan_ulysses.planning.extrapolate import sample_lengths, tracked_layer_counts
 
     k = switches.ac_layers_per_checkpoint
     # a step's block forwards: each block's, and a group's recompute runs its blocks but the last again

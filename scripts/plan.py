@@ -7,7 +7,7 @@ to start from, the memory per device by phase, and an estimated throughput out.
 The same pre-flight as a launch runs first (``preflight.validate`` and ``check_files``): a model
 folder or setting the trainer refuses is refused here, in the same line. The layout and memory
 switches are the first that fit 90% of the device by the memory
-estimate (``metrics/memory_estimate.py``, ``memory_fit.recommend``: the same search as
+estimate (``planning/estimate.py``, ``planning/recommend.recommend``: the same search as
 ``scripts/estimate_memory.py``). The throughput is an ESTIMATE: the step's FLOPs
 (``metrics/flops.py``, plus the forward recomputed under activation checkpointing) at the
 kernel rates measured in docs/benchmarks.md (bf16 matmul and cuDNN attention on an H200),
@@ -52,8 +52,9 @@ def plan_config(a):
     from titan_ulysses.config.manager import ConfigError, _set, load_config
     from titan_ulysses.data.sources import DataError
     from titan_ulysses.preflight import check_files, validate
-    from titan_ulysses.metrics.memory_estimate import GIB, estimate
-    from titan_ulysses.metrics.memory_fit import BUDGET, from_config, recommend
+    from titan_ulysses.planning.estimate import estimate
+    from titan_ulysses.planning.inputs import GIB, from_config
+    from titan_ulysses.planning.recommend import BUDGET, recommend
 
     base = ["--training.seq_len", str(a.seq_len), "--training.local_batch_size", "1",
             "--training.mixed_precision_param", "bfloat16", "--parallelism.ulysses_degree", "1",
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
                         ("--matmul-tflops", a.matmul_tflops)):
         if not (math.isfinite(value) and value > 0):  # nan > 0 is False, but so is nan <= 0
             raise SystemExit(f"plan: {flag} must be a positive finite number, got {value}")
-    from titan_ulysses.metrics.memory_estimate import GIB
+    from titan_ulysses.planning.inputs import GIB
 
     config, dims, args, est, overrides = plan_config(a)
     speed = tokens_per_second(args, a.seq_len, config.activation_checkpoint.mode, a.matmul_tflops)

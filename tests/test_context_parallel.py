@@ -267,8 +267,9 @@ def test_estimator_and_comm_model_know_cp():
     import dataclasses
 
     from titan_ulysses.metrics.comm import context_parallel_bytes_per_step, ulysses_bytes_per_step
-    from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
-    from titan_ulysses.metrics.memory_fit import recommend
+    from titan_ulysses.planning.estimate import estimate
+    from titan_ulysses.planning.inputs import GIB, Layout, Switches
+    from titan_ulysses.planning.recommend import recommend
     from titan_ulysses.models.flavors import get_flavor
 
     args = get_flavor("debugmodel")  # 6 layers, 16 heads, 4 kv heads, head_dim 16
@@ -318,8 +319,9 @@ def test_recommend_proposes_cp_on_every_backend_that_runs_under_cp():
     import dataclasses
     from unittest import mock
 
-    from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
-    from titan_ulysses.metrics.memory_fit import recommend
+    from titan_ulysses.planning.estimate import estimate
+    from titan_ulysses.planning.inputs import GIB, Layout, Switches
+    from titan_ulysses.planning.recommend import recommend
     from titan_ulysses.models.flavors import get_flavor
     from titan_ulysses.ops.attention import registry
 

@@ -1,10 +1,13 @@
 """The package's layers, read from the import statements of its files (function-local imports too):
-``config/`` is a leaf, nothing inside the packages imports the trainer or the pre-flight module, and the
-decoder and its families import nothing distributed."""
+``config/`` is a leaf, nothing inside the packages imports the trainer or the pre-flight module, the
+decoder and its families import nothing distributed, and the memory planner (``planning/``) sits beside the packages a step runs, not under them: it may use them, they
+never use it, and a launch imports it only when a start-up check or the dry run asks for it."""
 
 import ast
 import glob
 import os
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "titan_ulysses")
@@ -57,3 +60,36 @@ def test_the_decoder_and_the_families_are_not_distributed():
             continue
         dist = {n for n in imported(path) if n.startswith("titan_ulysses.distributed")}
         assert not dist, f"{os.path.relpath(path, ROOT)} imports {sorted(dist)}; parallelism belongs in parallelize.py"
+
+
+STEP_TIME = ("config", "models", "distributed", "ops", "data", "checkpoint", "metrics", "integrations")
+"""The packages a training step runs (and ``optim.py``, ``validate.py``)."""
+PLANNING_USES = {"config", "models", "distributed", "ops", "data", "checkpoint", "optim", "planning"}
+"""What the planner may import: the packages whose behaviour it models or reads, and itself."""
+
+
+def test_no_step_time_module_imports_the_planner():
+    paths = [p for folder in STEP_TIME for p in files(folder)]
+    paths += [os.path.join(PACKAGE, name) for name in ("optim.py", "validate.py")]
+    assert len(paths) > 50
+    for path in paths:
+        planner = {n for n in imported(path) if n.startswith("titan_ulysses.planning")}
+        assert not planner, f"{os.path.relpath(path, ROOT)} imports {sorted(planner)}: the step must not need the planner"
+
+
+def test_the_planner_imports_only_what_it_models():
+    assert len(files("planning")) >= 8
+    for path in files("planning"):
+        others = {n for n in imported(path) if n.split(".")[1] not in PLANNING_USES}
+        assert not others, (f"{os.path.relpath(path, ROOT)} imports {sorted(others)}; planning/ may import only "
+                            f"{sorted(PLANNING_USES)}")
+
+
+def test_a_launch_loads_the_planner_only_when_asked():
+    """Importing the trainer (and with it the pre-flight checks) loads no planning/ module: the start-up memory
+    warning and the dry run import it where they run."""
+    code = ("import sys, titan_ulysses.trainer, titan_ulysses.preflight; "
+            "print(sorted(m for m in sys.modules if m.startswith('titan_ulysses.planning')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"importing the trainer loaded {out.stdout.strip()}"

@@ -20,8 +20,10 @@ from dist_utils import run_distributed
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.ulysses import apply_ulysses
-from titan_ulysses.metrics.memory_estimate import Layout, Switches, estimate
-from titan_ulysses.metrics.memory_track import cuda_kernel_choices, track_step
+from titan_ulysses.planning.estimate import estimate
+from titan_ulysses.planning.inputs import Layout, Switches
+from titan_ulysses.planning.fake_step import cuda_kernel_choices
+from titan_ulysses.planning.track import track_step
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
@@ -158,7 +160,7 @@ def test_script_recommends_a_valid_layout_and_refuses_bad_input(capsys):
 def test_a_config_beyond_the_device_is_a_warning_naming_the_recommendation():
     from titan_ulysses.config.manager import load_config
     from titan_ulysses.preflight import validate
-    from titan_ulysses.metrics.memory_fit import memory_warning
+    from titan_ulysses.planning.recommend import memory_warning
 
     config = ["--config", "train_configs/llama3_8b_128k.toml"]
     shipped = load_config(config)

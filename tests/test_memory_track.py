@@ -1,6 +1,6 @@
 """The memory estimate's phases against PyTorch's memory tracker over a whole step.
 
-``metrics/memory_track.py`` runs a steady-state step of Llama-3-8B's shape, cut to two
+``planning/track.py`` runs a steady-state step of Llama-3-8B's shape, cut to two
 layers, as rank 0 of a fake world of 8 under ``FakeTensorMode`` (no compute, seconds), and
 PyTorch's ``FSDPMemTracker`` gives each phase's peak. The estimate must name the same peak
 phase (or one within 2% of it) and come within -1% / +4% of every phase it models: the estimate may round up, but
@@ -15,9 +15,10 @@ import dataclasses
 
 import pytest
 
-from titan_ulysses.metrics.memory_estimate import Layout, Switches, estimate
-from titan_ulysses.metrics import track_extrapolation
-from titan_ulysses.metrics.memory_track import track_step
+from titan_ulysses.planning.estimate import estimate
+from titan_ulysses.planning.inputs import Layout, Switches
+from titan_ulysses.planning import extrapolate
+from titan_ulysses.planning.track import track_step
 from titan_ulysses.models.flavors import get_flavor
 
 CASES = {
@@ -51,7 +52,7 @@ CASES = {
                                                          head_stages=4), 262144, "loss backward"),
     "staged8-full-ac-tiled-one-gpu": (Layout(), Switches(ac_mode="full", loss_chunk_size=8192, mlp_tile_size=8192,
                                                          head_stages=8), 65536, "embedding backward"),
-    # checkpointed in a group of both layers, full_offload (memory_groups.py): the group's backward holds the lower
+    # checkpointed in a group of both layers, full_offload (planning/groups.py): the group's backward holds the lower
     # block's input and parameters beside the upper one's
     "group2-offload-staged8-tiled-one-gpu": (
         Layout(), Switches(ac_mode="full_offload", ac_layers_per_checkpoint=2, loss_chunk_size=8192,
@@ -106,7 +107,7 @@ def small_chunks(monkeypatch):
     from titan_ulysses.ops import norm
 
     monkeypatch.setattr(norm, "CHUNK_TOKENS", 256)
-    monkeypatch.setattr(track_extrapolation, "MIN_QUANTA", 6)  # extrapolate from 6 quanta on (not only from 32)
+    monkeypatch.setattr(extrapolate, "MIN_QUANTA", 6)  # extrapolate from 6 quanta on (not only from 32)
     return Switches(ac_mode="full_offload", loss_chunk_size=256, mlp_tile_size=256)
 
 
@@ -131,7 +132,7 @@ def test_off_the_line_is_traced_at_full_length(small_chunks, monkeypatch):
     affine (forced here), the step is traced at its full length and says so."""
     import dataclasses
 
-    ex = track_extrapolation
+    ex = extrapolate
     args, layout, seq = _small_8b(2), Layout(sp=2), 2 * 6 * 256
     switches = dataclasses.replace(small_chunks, head_stages=2)
     check, seen = ex.off_the_line, []
@@ -188,7 +189,7 @@ def test_groups_hold_what_the_estimate_adds():
     input per group instead of one per block, and the device peak (the top group's backward) holds k - 1 block
     inputs more (and, in the tracker, the RoPE tables' size and k - 1 blocks' unsharded parameters: small here).
     The estimate's host peak is the tracker's (to its optimizer's step counters), and what it adds for the groups
-    to the loss's and the layers' backward is what the tracker adds, to the byte (``memory_groups.py``)."""
+    to the loss's and the layers' backward is what the tracker adds, to the byte (``planning/groups.py``)."""
     import math
 
     n, k, seq = 4, 2, 16384

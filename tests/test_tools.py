@@ -84,7 +84,7 @@ def test_estimate_memory_track_shows_a_progress_bar():
     assert result["tracked"]["measured"] > 0
     frames = proc.stderr.replace("\r", "\n").splitlines()
     done = [f for f in frames if f.startswith("--track: block forwards: 100%")]
-    from titan_ulysses.metrics.track_extrapolation import tracked_layer_counts
+    from titan_ulysses.planning.extrapolate import tracked_layer_counts
     from titan_ulysses.models.flavors import get_flavor
 
     # one step of one microbatch at each depth the tracker traces (3 and 4 of the 6 layers), no recomputation
@@ -138,8 +138,9 @@ import plan  # noqa: E402
 def test_plan_prints_a_toml_that_trains_and_fits(tmp_path, capsys):
     from titan_ulysses.config.manager import load_config
     from titan_ulysses.preflight import validate
-    from titan_ulysses.metrics.memory_estimate import GIB, estimate
-    from titan_ulysses.metrics.memory_fit import BUDGET, from_config
+    from titan_ulysses.planning.estimate import estimate
+    from titan_ulysses.planning.inputs import GIB, from_config
+    from titan_ulysses.planning.recommend import BUDGET
 
     out = tmp_path / "plan.toml"
     memory = 0.12  # GiB: the debug model at 8K tokens needs a split and switches to fit

@@ -120,7 +120,7 @@ class Trainer:
             raise ConfigError(str(e)) from e
         self.rank = dist.get_rank()
         if self.device.type == "cuda" and self.rank == 0:
-            from titan_ulysses.metrics.memory_fit import memory_warning
+            from titan_ulysses.planning.recommend import memory_warning
 
             total = torch.cuda.get_device_properties(self.device).total_memory
             warning = memory_warning(config, self.parallel_dims, dist.get_world_size(), total)

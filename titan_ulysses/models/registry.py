@@ -61,7 +61,7 @@ class ModelFamily:
     layer_memory: Callable | None = None
     """``(decoder_terms, args, Layout, Switches, ac_mode) ->`` bytes one layer keeps for backward per local token,
     where ``decoder_terms`` (the same arguments less itself) counts the decoder's
-    (``metrics/memory_estimate.layer_bytes_per_token``); None: the decoder's alone."""
+    (``planning/layer_terms.layer_bytes_per_token``); None: the decoder's alone."""
     args_class: type = DecoderArgs
     """The dataclass of its model arguments (a checkpoint's model_args.json is read back into it)."""
 

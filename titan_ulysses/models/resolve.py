@@ -2,7 +2,7 @@
 and applies the ``model.*`` overrides.
 
 Used by the trainer, the pre-flight checks (``titan_ulysses/preflight.py``), the memory
-estimate (``metrics/memory_fit.py``) and the scripts. ``config/`` does not import this
+estimate (``planning/inputs.py``) and the scripts. ``config/`` does not import this
 module (it imports nothing else of ours); this module imports ``config/``.
 """
 

@@ -5,7 +5,7 @@ Llama-3 (vocab 128256) a 128K-token slice has 64 GiB of fp32 logits. The chunked
 computes the loss ``chunk_size`` tokens at a time and recomputes each chunk's logits in
 backward, so at most ``[chunk_size, vocab]`` logits exist at once (in fp32, twice: the
 upcast logits and their softmax; backward also holds an fp32 ``[vocab, D]`` gradient of
-the output weight -- ``metrics/memory_estimate.py`` counts them).
+the output weight -- ``planning/estimate.py`` counts them).
 """
 
 from __future__ import annotations

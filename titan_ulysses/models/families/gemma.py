@@ -118,10 +118,10 @@ def export_config(args: DecoderArgs, config: dict) -> dict:
 
 
 def layer_memory(decoder_terms, args: DecoderArgs, layout, switches, mode: str) -> float:
-    """The decoder's per-layer memory terms (``metrics/memory_estimate.py``) and Gemma's: without AC, the two
+    """The decoder's per-layer memory terms (``planning/layer_terms.py``) and Gemma's: without AC, the two
     sandwich norms' inputs and fp32 scales and the q/k norms' (``qk_norm_bytes``); under AC, the checkpoint's copy
     of the sliding layers' RoPE tables beside the full layers' (bf16: ``a Dh``; without AC a block frees the one it
-    does not use). Each term as the tracker (``metrics/memory_track.py``) measures it: tests/test_memory_track.py."""
+    does not use). Each term as the tracker (``planning/track.py``) measures it: tests/test_memory_track.py."""
     a = switches.act_bytes
     extra = qk_norm_bytes(args, layout, switches, mode)
     if mode == "none":

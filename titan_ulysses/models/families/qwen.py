@@ -39,7 +39,7 @@ def qwen3_export(args: DecoderArgs, config: dict) -> dict:
 
 
 def qwen3_layer_memory(decoder_terms, args: DecoderArgs, layout, switches, mode: str) -> float:
-    """The decoder's per-layer memory terms and the per-head q/k norms' (``metrics/memory_estimate.py``)."""
+    """The decoder's per-layer memory terms and the per-head q/k norms' (``planning/layer_terms.py``)."""
     return decoder_terms(args, layout, switches, mode) + qk_norm_bytes(args, layout, switches, mode)
 
 

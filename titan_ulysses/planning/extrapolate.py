@@ -1,56 +1,25 @@
-"""Which steps ``memory_track.track_step`` traces, and how it extrapolates them in layers and tokens.
+"""Which steps ``track.track_step`` traces, and how it extrapolates them in layers and tokens.
 
-Every op of a traced step is a Python call into the tracker, so a step costs time in proportion
-to its ops, and those grow with the layers and with the tokens over the chunk sizes (the norm's
-``CHUNK_TOKENS``, the MLP's tiles, the loss's chunks). Neither the layers nor the tokens change
-what a phase holds except by adding equal terms, so a long deep step is traced short and shallow
-and extrapolated; ``tests/test_memory_track.py`` compares both against direct traces, to the byte.
-
-Layers: the blocks are identical, so every term of a phase is a constant or a sum of equal
-per-block terms, and a phase's bytes are affine in the number of blocks for a fixed position
-from the bottom or the top (layer backward is traced as its two lowest and two highest blocks):
-traced at three and four layers. Checkpointed in groups of ``k`` blocks
-(``Switches.ac_layers_per_checkpoint``, ``distributed/activation_checkpoint.py``) the identical
-unit is a group: traced at three and four groups (``3k`` and ``4k`` layers), a block's backward
-keyed by its group's position from the bottom or the top and its place in the group (the two
-lowest and the two highest groups). The last group may be shorter (``n_layers`` not a multiple of
-``k``): it is then the top group of every trace too (``3k`` and ``4k`` layers less the shortfall).
-
-Tokens: every kernel here keeps memory linear in the tokens, as on CUDA (attention is sdpa with
-CUDA's kernel choices, flash-style, no ``[S, S]`` tensor; the tracked step is one document, so
-sdpa's dense document mask never arises), and every loop over tokens runs fixed-size chunks.
-A rank's local token count ``T`` that is a multiple ``m q`` of every chunk (``q``: the lcm of
-the norm's chunk, the MLP tile, the loss chunk and, under cp, twice sdpa's query block) makes
-each loop run ``m`` equal chunks; what an op sees live at a given point of a loop is then
-constants (weights, FSDP buffers, one chunk's temporaries) plus tensors of ``T`` rows (inputs,
-outputs, saved activations) plus ``k`` equal chunk results kept so far (the tiled MLP's outputs
-before their ``cat``), whose largest, ``k = m``, is also ``m``-proportional: affine in ``T``.
-A phase's peak is the largest of many such events (an op, at the lines of this project's code
-that ran it, in the modules active, under the autograd node running: a node of the forward by its
-place in the forward, which has as many nodes at any length), each affine with its own slope, and
-the event that is the largest at a short length (a loss chunk's 4 GiB of logits) need not be the
-largest at the target (a stage's full-sequence q, k, v): each event is extrapolated on its own and
-the phase takes the largest at the target. Sampled at ``3q`` and ``4q`` -- a loop's first two
-chunks differ from the rest (the tiled MLP's backward holds the previous tile's weight gradients
-beside their sum only from its third tile on), and an MLP of one tile is not tiled -- and checked
-at ``5q``: if any event of any phase, or the host peak, is off its line by a byte, or a size
-threshold would be crossed between the samples and the target (the offloader keeps tensors
-under ``min_bytes`` on the device), the step is traced at the full length instead, and
-``StepMemory.traced`` says so.
-
-What the check cannot see: events that share a key (the same op at the same lines in the same
-modules under the same node) but differ in their constants and slopes, and swap places only
-beyond ``5q``; and a loop whose chunks settle only after the fourth.
+A traced step costs a Python call per op, and the ops grow with the layers and with the tokens over the
+chunk sizes; neither changes what a phase holds except by adding equal terms. So a deep, long step is
+traced at three and four layers (or groups of checkpointed layers) and at two short lengths, each event
+(an op, where in our code, under which autograd node and modules) extrapolated on its own and checked at
+a third length: a byte off the line, or a size threshold crossed before the target, and the full length is
+traced instead. Why that is exact, and what the check cannot see: docs/memory_model.md, "How the tracker
+checks it". ``tests/test_memory_track.py`` compares both with direct traces, to the byte.
 """
 
 from __future__ import annotations
 
 import math
 
-from titan_ulysses.metrics.memory_estimate import Layout, Switches
+from titan_ulysses.planning.inputs import Layout, Switches
+from titan_ulysses.planning.phases import Phase, StepMemory
 
 SAMPLES = (3, 4)
-"""Multiples of the token quantum traced; the line through them is checked at ``CHECK``."""
+"""Multiples of the token quantum traced; the line through them is checked at ``CHECK``. Not 1 and 2: a
+loop's first two chunks differ from the rest (the tiled MLP's backward holds the previous tile's weight
+gradients beside their sum only from its third tile on), and an MLP of one tile is not tiled."""
 CHECK = 5
 MIN_QUANTA = 32
 """Lengths of fewer token quanta per rank are traced as they are: the three short traces (12 quanta
@@ -66,7 +35,8 @@ def tracked_layer_counts(n_layers: int, extrapolate: bool = True, group: int = 1
 
 
 def token_quantum(layout: Layout, switches: Switches) -> int:
-    """The local tokens per rank of which every token loop runs whole chunks (see the module docstring)."""
+    """The local tokens per rank of which every token loop runs whole chunks: the lcm of the norm's chunk,
+    the MLP tile, the loss chunk and, under cp, twice sdpa's query block."""
     from titan_ulysses.ops import norm
     from titan_ulysses.ops.attention.sdpa import BLOCK
 
@@ -126,8 +96,6 @@ def off_the_line(a, b, c=None) -> str:
 def at_length(a, b, m: int):
     """The step of the keyed samples ``a``, ``b`` (one depth) at ``m`` token quanta: each event on its line,
     each phase the largest of its events there."""
-    from titan_ulysses.metrics.memory_track import Phase, StepMemory
-
     phases, host = {}, 0
     for name, ev_b in b.events.items():
         best = None
@@ -142,10 +110,12 @@ def at_length(a, b, m: int):
 
 
 def to_depth(small, large, n_layers: int, group: int = 1):
-    """Steps at three (``small``) and four (``large``) groups of ``group`` layers -> the step at ``n_layers``
-    (module docstring)."""
-    from titan_ulysses.metrics.memory_track import Phase, StepMemory
+    """Steps at three (``small``) and four (``large``) groups of ``group`` layers -> the step at ``n_layers``.
 
+    The blocks are identical, so a phase is affine in the number of groups for a fixed position from the
+    bottom or the top: a block's backward is keyed by its group's place (the two lowest and the two highest)
+    and its place in the group. A short last group (``n_layers`` not a multiple of ``group``) is the top
+    group of both traces too."""
     units = -(-n_layers // group)
     grow = units - 4
 

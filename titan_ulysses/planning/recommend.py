@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_ulysses.config.manager import resolved_global_batch_size
 from titan_ulysses.distributed.heads import is_even
-from titan_ulysses.metrics.memory_estimate import GIB, Layout, Switches, estimate
-from titan_ulysses.models.resolve import model_args
+from titan_ulysses.planning.estimate import estimate
+from titan_ulysses.planning.inputs import GIB, Layout, Switches, from_config
 from titan_ulysses.ops.attention import get_backend
 
 BUDGET = 0.9  # of the device: the rest is the CUDA context, NCCL buffers, fragmentation
@@ -26,23 +25,6 @@ SWITCH_ORDER = [  # (override, Switches change), cumulative, as in docs/guide.md
     ("--activation_checkpoint.mode full_offload", {"ac_mode": "full_offload"}),
     ("--training.enable_cpu_offload true", {"cpu_offload": True}),
 ]
-
-
-def from_config(config, dims):
-    args = model_args(config, 0)
-    t = config.training
-    dp = dims.size("dp")
-    switches = Switches(
-        ac_mode=config.activation_checkpoint.mode, loss_chunk_size=config.model.loss_chunk_size,
-        ac_layers_per_checkpoint=config.activation_checkpoint.layers_per_checkpoint,
-        mlp_tile_size=config.model.mlp_tile_size, cpu_offload=t.enable_cpu_offload,
-        act_bytes=2 if t.mixed_precision_param == "bfloat16" else 4,
-        microbatches=resolved_global_batch_size(config, dp) // (t.local_batch_size * dp),
-        lora_rank=config.lora.rank,
-        head_stages=config.parallelism.ulysses_head_stages,
-        stage_keep_attention=config.parallelism.ulysses_stage_keep_attention,
-    )
-    return args, Layout(dp_shard=dims.size("dp_shard"), sp=dims.sp, tp=dims.tp, cp=dims.cp), switches
 
 
 def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, budget, attn_backend: str = "sdpa"):
