@@ -75,3 +75,43 @@ def test_moe_layouts_match_one_process(name):
 
 def test_experts_sharded_over_ep_and_the_ranks_outside_it():
     run_distributed(_matches_one_process, 4, "qwen3_moe", LAYOUTS_4)
+
+
+def _lora_on_attention(name):
+    from titan_ulysses.distributed.lora import LoRAOptions, apply_lora, init_lora, resolve_targets
+
+    hf = hf_moe(name)
+    args = args_from_hf_config(hf.config.to_dict())
+    lora = LoRAOptions(rank=4, alpha=8.0, targets=resolve_targets("q_proj,k_proj,v_proj,o_proj"))
+    ref = build_model(args, ComputeOptions(attn_backend="sdpa"))
+    ref.load_state_dict(from_hf(as_saved(hf, hf.state_dict()), args))
+    apply_lora(ref, lora, torch.float32)
+    init_lora(ref, seed=1)
+    with torch.no_grad():  # B far from zero: the adapters change the function
+        for n, p in ref.named_parameters():
+            if n.endswith("lora_B"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.1)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    coef = args.moe.aux_loss_coef
+    inputs, labels = make_batch(0, 4, 20, args.vocab_size)
+    lm = cross_entropy_sum(ref(inputs), labels) / (labels != IGNORE_INDEX).sum()
+    (lm + coef * load_balancing_loss(ref.router_stats)).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert ref_grads and all("lora_" in n for n in ref_grads)  # the base (experts, router) is frozen
+    pd = ParallelDims(sp=2, ep=2, world_size=dist.get_world_size())
+    pd.build_mesh("cpu")
+    with torch.device("meta"):
+        model = build_model(args, ComputeOptions(attn_backend="sdpa"))
+    parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32, lora=lora))
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    load_full_state_dict(model, state)
+    _step(model, pd, inputs, labels, coef)
+    grads = {clean_name(n): full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grads.keys() and all("lora_" in n for n in grads)  # experts and router frozen
+    for n, g in grads.items():
+        assert_close(g, ref_grads[n], f"{name} lora: grad {n}")
+
+
+def test_lora_on_attention_of_a_mixture_of_experts():
+    run_distributed(_lora_on_attention, 2, "qwen3_moe")
