@@ -37,7 +37,7 @@ from titan_ulysses.checkpoint.hf_adapter import to_hf
 from titan_ulysses.data.sharding import rank_token_index
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.models.hf_config import load_hf_args
-from titan_ulysses.models.llama.parallelize import ParallelizeOptions
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 from titan_ulysses.models.registry import build_model, parallelize_model
 from titan_ulysses.ops.loss import IGNORE_INDEX
 
