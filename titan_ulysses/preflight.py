@@ -78,7 +78,7 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     except ValueError as e:
         raise ConfigError(f"{e} ({source})") from e
     try:
-        lora_targets = parse_lora_targets(config.lora.targets) if config.lora.rank > 0 else None
+        lora_targets = parse_lora_targets(config.lora.target_modules) if config.lora.rank > 0 else None
         check_moe(args, dims.ep, dims.tp, lora_targets, source)
     except ValueError as e:
         raise ConfigError(str(e)) from e
