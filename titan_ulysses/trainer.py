@@ -46,7 +46,7 @@ from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.attention import build_attention_mask, check_attention_settings, sdpa_priority
 from titan_ulysses.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
 from titan_ulysses.preflight import check_files, validate
-from titan_ulysses.validate import build_validator
+from titan_ulysses.heldout import build_validator
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
