@@ -29,7 +29,7 @@ from titan_ulysses.distributed.float8 import float8_options, precompute_float8_s
 from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.distributed.lora import init_lora, lora_options, parameter_counts
 from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, global_token_count, load_full_state_dict
+from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, forward_backward, load_full_state_dict
 from titan_ulysses.distributed.watchdog import exit_with_launcher, set_timeouts
 from titan_ulysses.metrics.comm import context_parallel_bytes_per_step, ulysses_bytes_per_step
 from titan_ulysses.metrics.flops import flops_per_token, peak_flops
@@ -43,7 +43,7 @@ from titan_ulysses.models.llama.args import LlamaArgs
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions
 from titan_ulysses.models.registry import build_model, parallelize_model
 from titan_ulysses.models.resolve import model_args
-from titan_ulysses.ops.attention import build_attention_mask, check_attention_settings, sdpa_priority
+from titan_ulysses.ops.attention import check_attention_settings, sdpa_priority
 from titan_ulysses.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
 from titan_ulysses.preflight import check_files, validate
 from titan_ulysses.heldout import build_validator
@@ -207,8 +207,8 @@ class Trainer:
         self.peak_flops = peak_flops(self.device)
         # packed rows hold several documents: every backend masks per document (ops/attention/registry.py)
         self.use_doc_mask = self.data.packed
-        self.validator = build_validator(config, self.data, self.model, pd, self.device, self.compute.attn_backend,
-                                         self.tokenizer.pad_id, self.accumulation_steps)
+        self.validator = build_validator(config, self.data, self.model, pd, self.device, self.tokenizer.pad_id,
+                                         self.accumulation_steps)
         comm_args = (torch.finfo(options.param_dtype).bits // 8, options.ac_mode in ("full", "full_offload"))
         self.a2a_bytes = ulysses_bytes_per_step(
             self.args, t.seq_len, self.global_batch_size // pd.size("dp"), pd.sp, pd.tp, *comm_args, cp=pd.cp,
@@ -304,17 +304,10 @@ class Trainer:
 
     def train_step(self, data_iter) -> dict:
         pd = self.parallel_dims
-        loss_mesh = pd.get_mesh("loss")
         stats = torch.zeros(3, dtype=torch.float64)
         microbatches = list(self._microbatches(data_iter, stats))
-        n_tokens = global_token_count([mb.labels for mb in microbatches], loss_mesh).to(self.device, torch.float32)
-        total = torch.zeros((), device=self.device)
-        for mb in microbatches:
-            mask = build_attention_mask(self.compute.attn_backend, mb.document_ids)
-            loss = self.model(mb.tokens, positions=mb.positions, attention_mask=mask, labels=mb.labels) / n_tokens
-            loss.backward()
-            total += loss.detach()
-        global_loss = dist_sum(total, loss_mesh).item()
+        global_loss, n_tokens = forward_backward(self.model, microbatches, pd.get_mesh("loss"))
+        global_loss = global_loss.item()
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm).item()
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         lr = next((x for x in lrs if not math.isfinite(x)), lrs[0])
