@@ -22,6 +22,7 @@ from titan_ulysses.data.tokenizer import resolve_tokenizer
 from titan_ulysses.distributed.float8 import precompute_float8_scales
 from titan_ulysses.distributed.lora import parameter_counts
 from titan_ulysses.distributed.setup import build_mesh, join_job
+from titan_ulysses.distributed.ulysses import stop_slice_checks
 from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, forward_backward
 from titan_ulysses.distributed.watchdog import set_timeouts
 from titan_ulysses.heldout import build_validator
@@ -91,7 +92,9 @@ class Trainer:
             resumed = f"; resumed: {settings_changes(self.checkpointer.loaded_settings, resume_settings(config))}"
         # logging and evaluation
         self.nonfinite_in_a_row = 0
-        self._preempted = False
+        self._signalled = False  # SIGTERM / SIGUSR1 reached this rank
+        self.preempted = False
+        """Some rank was signalled before this step's guard read: every rank saves this step and stops."""
         self.metrics = self._build_metrics_logger()
         params = (self.trainable_params, self.total_params)
         self.step_log = StepLog(config, self.args, pd, options, self.global_batch_size, self.device, params, self.step)
@@ -124,15 +127,17 @@ class Trainer:
         for lock in reversed(self.locks):
             lock.release()
 
-    def _on_preempt(self, signum, frame) -> None:
-        self._preempted = True
+    def _on_signal(self, signum, frame) -> None:
+        self._signalled = True
 
     def train_step(self, data_iter) -> dict:
+        """One optimizer step; returns its numbers. The device is read once (:meth:`_read_guard`);
+        when the step's line is due, the step's token counts are reduced and read too."""
         pd = self.parallel_dims
-        microbatches, stats = self.batches.next(data_iter)
-        global_loss, n_tokens = forward_backward(self.model, microbatches, pd.get_mesh("loss"))
-        global_loss = global_loss.item()
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm).item()
+        microbatches, counts = self.batches.next(data_iter)
+        step = forward_backward(self.model, microbatches, pd.get_mesh("loss"))
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
+        global_loss, grad_norm = self._read_guard(step.loss, grad_norm)
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         lr = next((x for x in lrs if not math.isfinite(x)), lrs[0])
         if not self.fake and not all(map(math.isfinite, (global_loss, grad_norm, lr))):
@@ -145,11 +150,25 @@ class Trainer:
         precompute_float8_scales(self.model, self.float8)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # every sp rank of a dp group loaded the same rows: count them over dp only
-        pad, total_tokens, truncated = dist_sum(stats.to(self.device), pd.get_mesh("dp")).tolist()
-        return {"loss": global_loss, "grad_norm": grad_norm, "loss_tokens": int(n_tokens.item()),
-                "padding": pad / max(total_tokens, 1.0), "truncated": int(truncated),
-                "dropped": self.data.stats.get("dropped", 0)}  # samples left out of the dataset (run total)
+        out = {"loss": global_loss, "grad_norm": grad_norm}
+        if self.step_log.due(self.step + 1):
+            # every sp rank of a dp group loaded the same rows: count them over dp only
+            counts = dist_sum(counts.to(self.device), pd.get_mesh("dp"))
+            pad, total_tokens, truncated, loss_tokens = torch.cat([counts, step.tokens.double()[None]]).tolist()
+            out.update(loss_tokens=int(loss_tokens), padding=pad / max(total_tokens, 1.0), truncated=int(truncated),
+                       dropped=self.data.stats.get("dropped", 0))  # samples left out of the dataset (run total)
+        return out
+
+    def _read_guard(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
+        """The one read of the device every step needs: the reduced loss and gradient norm, which
+        decide before the optimizer step whether it may touch the weights (``_nonfinite_step``),
+        read together with whether any rank was signalled (a MAX over the world, so that every
+        rank saves and stops after the same step: :attr:`preempted`)."""
+        flag = torch.full((), 1.0 if self._signalled else 0.0, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        loss, grad_norm, flag = torch.stack([loss.float(), grad_norm.float().to(self.device), flag]).tolist()
+        self.preempted = flag > 0
+        return loss, grad_norm
 
     def _nonfinite_step(self, global_loss: float, grad_norm: float, lr: float) -> None:
         """Skip this step's update (``training.skip_nonfinite_steps`` in a row at most) or stop."""
@@ -176,7 +195,7 @@ class Trainer:
     def train(self) -> None:
         t = self.config.training
         for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._on_preempt)
+            signal.signal(sig, self._on_signal)
         # Creating the iterator draws a base seed from the global generator that nothing uses
         # (no worker processes); undone, so that the generator a checkpoint saves is the same
         # in a resumed run as in an uninterrupted one.
@@ -191,21 +210,22 @@ class Trainer:
                 out = self.train_step(data_iter)
                 self.step += 1
                 self.step_log.stepped(out["loss"])
-                if first_step and not self.fake:  # start-up and compilation are over
-                    set_timeouts(self.config.comm.train_timeout_seconds, exclude=(self.checkpointer.group,))
+                if first_step:
+                    if not self.fake:  # start-up and compilation are over
+                        set_timeouts(self.config.comm.train_timeout_seconds, exclude=(self.checkpointer.group,))
+                    stop_slice_checks(self.model)  # the first step's slices passed; every later one has their shape
                 first_step = False
                 if self.step_log.due(self.step):
                     self.metrics.log(self.step_log.record(self.step, out, lr, self.data_wait.take(), self.model,
-                                                     self.optimizer))
+                                                          self.optimizer))
                 if self.validator is not None and self.validator.due(self.step):
                     started = time.perf_counter()
                     result = self.validator.run()
                     self.metrics.log_validation(self.step, result)
                     self.step_log.progress.validation = (self.step, result["validation_loss"])
                     self.step_log.exclude(time.perf_counter() - started)  # evaluation time is not training throughput
-                preempted = self._preempted_anywhere()
-                self.checkpointer.save(self.step, force=preempted or self.step == t.steps)
-                if preempted:
+                self.checkpointer.save(self.step, force=self.preempted or self.step == t.steps)
+                if self.preempted:
                     if self.rank == 0:
                         print(f"preempted: saved step {self.step}, exiting", flush=True)
                     break
@@ -229,9 +249,3 @@ class Trainer:
         checkpoint = os.path.join(self.checkpointer.folder, f"step-{self.step}") if self.checkpointer.enable else None
         self.metrics.log_summary(self.step_log.progress.summary(
             self.step, checkpoint, os.path.join(self.config.job.dump_folder, "metrics.jsonl")))
-
-    def _preempted_anywhere(self) -> bool:
-        """A signal may reach only some ranks: agree on it so that all of them save together."""
-        flag = torch.tensor([1.0 if self._preempted else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
