@@ -3,7 +3,6 @@ evaluate, checkpoint). Each part is built by its package's builder; this file on
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import signal
@@ -26,8 +25,7 @@ from titan_ulysses.distributed.ulysses import stop_slice_checks
 from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, forward_backward
 from titan_ulysses.distributed.watchdog import set_timeouts
 from titan_ulysses.heldout import build_validator
-from titan_ulysses.metrics.logger import MetricsLogger
-from titan_ulysses.metrics.loggers.wandb_logger import WandbError
+from titan_ulysses.metrics.logger import build_metrics_logger
 from titan_ulysses.metrics.startup import startup_line
 from titan_ulysses.metrics.step_log import StepLog
 from titan_ulysses.metrics.system import WaitTimer
@@ -95,7 +93,11 @@ class Trainer:
         self._signalled = False  # SIGTERM / SIGUSR1 reached this rank
         self.preempted = False
         """Some rank was signalled before this step's guard read: every rank saves this step and stops."""
-        self.metrics = self._build_metrics_logger()
+        try:
+            self.metrics = build_metrics_logger(config, self.rank, resumed=self.step > 0)
+        except ConfigError:
+            self._release_locks()  # the run never starts
+            raise
         params = (self.trainable_params, self.total_params)
         self.step_log = StepLog(config, self.args, pd, options, self.global_batch_size, self.device, params, self.step)
         self.validator = build_validator(config, self.data, self.model, pd, self.device, self.tokenizer.pad_id,
@@ -107,21 +109,6 @@ class Trainer:
             if self.step >= t.steps:
                 print(f"all {t.steps} steps of training.steps are done ({self.weights.describe()}); nothing to "
                       f"train: raise training.steps to go on", flush=True)
-
-    def _build_metrics_logger(self) -> MetricsLogger:
-        """Rank 0's loggers; a W&B start-up failure (no login) reaches every rank as a config error."""
-        logger, error = None, None
-        try:
-            logger = MetricsLogger(self.config.job.dump_folder, self.rank, self.config.metrics,
-                                   dataclasses.asdict(self.config), resumed=self.step > 0)
-        except WandbError as e:
-            error = str(e)
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        if box[0]:
-            self._release_locks()  # the run never starts
-            raise ConfigError(box[0])
-        return logger
 
     def _release_locks(self) -> None:
         for lock in reversed(self.locks):
