@@ -15,8 +15,10 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
                     betas: tuple[float, float], device_type: str) -> torch.optim.Optimizer:
     if name.lower() != "adamw":
         raise ValueError(f"optimizer.name {name!r} is not supported; use 'AdamW'")
-    # fused kernels on CUDA; foreach (multi-tensor) elsewhere
-    impl = {"fused": True} if device_type == "cuda" else {"foreach": True}
+    # Fused kernels where PyTorch has them (CUDA and CPU): one pass over each parameter and its
+    # state, no temporaries. On CPU, foreach (multi-tensor) makes a full-size temporary list per op:
+    # it was most of what our step cost beyond a bare loop (scripts/bench_step_overhead.py).
+    impl = {"fused": True} if device_type in ("cuda", "cpu") else {"foreach": True}
     # frozen parameters (the LoRA base) get no optimizer state
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl)
