@@ -6,11 +6,13 @@
 runs every check a launch makes for N ranks, without a process group, prints the plan and
 exits 0, or prints the one-line refusal and exits 2 (``titan_ulysses/preflight.py``'s ``plan``).
 
-A configuration error, a dump folder in use by another run, or a run whose checkpoints are all
-damaged ends every rank with exit code 2 and one line on stderr, printed by rank 0 only (every rank finds the same error; the others wait
+A configuration error, a dump folder in use by another run, a run whose checkpoints are all
+damaged, or a start checkpoint (``checkpoint.initial_load_path``) that fails verification ends every rank with exit code 2 and one line on stderr, printed by rank 0 only (every rank finds the same error; the others wait
 a moment so that rank 0 is the failure torchrun reports). Under torchrun
 the launcher then reports the failed workers (``exitcode: 2``) and exits 1 itself: torchrun
-exits 1 whenever a worker fails.
+exits 1 whenever a worker fails. Its report ends with the same line (rank 0 writes it to
+torchrun's error file, which the report's ``traceback :`` field shows), so the refusal is both
+the first line of the failure and the last.
 """
 
 import os
@@ -81,6 +83,21 @@ def dry_run_options(argv: list[str]) -> tuple[list[str], dict | None]:
     return rest, {"world_size": options.get("--world-size", 1), "device_gib": options.get("--device-memory-gib")}
 
 
+def tell_launcher(line: str) -> None:
+    """Under torchrun, the refusal in the worker's error file: torchrun's closing report ("Root Cause ...
+    traceback :") then repeats it after its own ChildFailedError traceback, instead of a link to its docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass  # the line above on stderr stays the refusal
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         from titan_ulysses.config.help import format_help
@@ -90,6 +107,7 @@ def main(argv: list[str]) -> int:
 
     from titan_ulysses.checkpoint.errors import RunRefused  # a folder in use, every checkpoint damaged
     from titan_ulysses.checkpoint.lora_export import AdapterMismatchError
+    from titan_ulysses.checkpoint.verify import UntrustedCheckpointError  # initial_load_path, a resume step
 
     previous = {sig: signal.signal(sig, _preempted) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
@@ -109,15 +127,20 @@ def main(argv: list[str]) -> int:
         print(f"{e} {PREEMPTED_NOTE}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(0)  # no teardown: peers may be inside a collective this rank will never join
-    except (ConfigError, DataError, RunRefused, AdapterMismatchError) as e:
+    except (ConfigError, DataError, RunRefused, AdapterMismatchError, UntrustedCheckpointError) as e:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if os.environ.get("RANK", "0") == "0":
             kind = "config error" if isinstance(e, ConfigError) else "data error" if isinstance(e, DataError) else "refused"
             print(f"{kind}: {e}", file=sys.stderr, flush=True)
+            tell_launcher(f"{kind}: {e}")
         else:
             # Let rank 0 print and exit first: torchrun stops every worker at the first failure
-            # it sees, and would otherwise often stop rank 0 before it says why.
+            # it sees, and would otherwise often stop rank 0 before it says why. Its SIGTERM
+            # then ends this rank quietly, as start-up preemption does (exit 0): the refusal is
+            # rank 0's, and torchrun's report names it alone rather than this rank too.
+            for sig in previous:
+                signal.signal(sig, lambda signum, frame: os._exit(0))
             time.sleep(RANK0_FIRST_S)
         return EXIT_REFUSED
     trainer.train()

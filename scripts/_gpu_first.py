@@ -168,6 +168,55 @@ def limits_6m_two_layers(ctx):
                       "peak allocated of the second step vs the estimate, target within 10%"}
 
 
+# ---- mixture of experts: the grouped kernel against its loop ---------------------------------
+
+def moe_grouped_mm(ctx):
+    """``torch._grouped_mm`` (what the experts run on sm90+ in bf16) against the exact loop over experts,
+    forward and backward, with an expert that gets no rows; then a whole MoE feed-forward both ways."""
+    from titan_ulysses.models.moe.args import MoEArgs
+    from titan_ulysses.models.moe.feed_forward import MoEFeedForward
+    from titan_ulysses.ops.grouped_mm import grouped_mm, grouped_mm_available
+
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    t, d, f, e = (64, 16, 8, 4) if ctx.dry_run else (8192, 2048, 768, 16)
+    g = torch.Generator().manual_seed(0)
+    rows_expert = torch.randint(0, e, (t,), generator=g)
+    rows_expert[rows_expert == 1] = 0  # expert 1 gets no rows
+    counts = torch.bincount(rows_expert, minlength=e)
+    x0, w0 = torch.randn(t, d, generator=g), torch.randn(e, d, f, generator=g) / d ** 0.5
+    gy = torch.randn(t, f, generator=g)
+    # CPU (the dry run): the kernel's forward, which exists there in fp32
+    kernel = grouped_mm_available(x0.to(ctx.device, dtype), w0.to(ctx.device, dtype)) or not ctx.cuda
+    if not kernel:
+        return {"status": "skipped", "detail": "torch._grouped_mm does not take these operands on this GPU"}
+    figures, ok = {}, True
+    runs = {}
+    for name, use in (("loop", False), ("kernel", kernel)):
+        x, w = (a.to(ctx.device, dtype).requires_grad_(ctx.cuda) for a in (x0, w0))
+        y = grouped_mm(x, w, counts.to(ctx.device), kernel=use)
+        if ctx.cuda:
+            y.backward(gy.to(ctx.device, dtype))
+        runs[name] = [y.detach()] + ([x.grad, w.grad] if ctx.cuda else [])
+    for i, what in enumerate(("y", "dx", "dw")[:len(runs["loop"])]):
+        figures[f"{what}_err"] = rel_err(runs["kernel"][i], runs["loop"][i])
+        ok &= figures[f"{what}_err"] < 1e-2
+    args = MoEArgs(e, 2, f)
+    torch.manual_seed(0)
+    moe = MoEFeedForward(d, args)
+    moe.init_weights(std=0.05)
+    moe.to(ctx.device, dtype)
+    xs = torch.randn(2, t // 2, d, generator=g).to(ctx.device, dtype)
+    outs = []
+    for use in (False, kernel):
+        moe.experts.kernel = use
+        outs.append(moe(xs)[0].detach())
+    figures["moe_err"] = rel_err(outs[1], outs[0])
+    ok &= figures["moe_err"] < 1e-2
+    return {"status": "pass" if ok else "fail", "figures": {**figures, "kernel": kernel},
+            "detail": f"{str(dtype).removeprefix('torch.')} [{t}, {d}] x {e} experts [{d}, {f}] (one with no rows), "
+                      f"fwd{'+bwd' if ctx.cuda else ''}; then a top-2 MoE feed-forward; kernel vs loop < 1e-2 (rel.)"}
+
+
 def _by_name(*lists) -> dict:
     return {c.name: c for cases in lists for c in cases}
 
@@ -184,7 +233,8 @@ def parts() -> dict[str, list[Case]]:
         Case("checkpoint_async_pinned_resume", known["checkpoint_async_pinned_resume"].fn, 45, 30),
         Case("attn_sdpa_docs_window_softcap", known["attn_sdpa_docs_window_softcap"].fn, 5, 3),
         Case("attn_sdpa_lower_right_cp", known["attn_sdpa_lower_right_cp"].fn, 5, 2),
-        Case("features_multirank", features_multirank, 35, 40),
+        Case("features_multirank", features_multirank, 30, 40),
+        Case("moe_grouped_mm_bf16", moe_grouped_mm, 10, 3),
         Case("families_bf16", families_bf16, 15, 10),
         Case("headline_8b_128k_sim8_compile_bf16_selective", headline_8b, 65, 15),
         Case("limits_6m_staged_two_layers_1m", limits_6m_two_layers, 55, 15),

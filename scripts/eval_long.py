@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ulysses.checkpoint.eval_model import load_eval_model
+from titan_ulysses.checkpoint.verify import verify_checkpoint
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.sources import DataError, list_files, read_rows, text_field, work_items
@@ -69,9 +70,10 @@ def parse_args(argv):
     for name in ("buckets", "max_docs", "needle_samples"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 1")
-    if not os.path.isfile(os.path.join(a.checkpoint, ".metadata")):
-        raise SystemExit(f"--checkpoint {a.checkpoint!r} is not a complete checkpoint (no .metadata): "
-                         f"point it at a step-N folder of checkpoint.folder")
+    try:  # before anything reads it: each process checks it whole
+        verify_checkpoint(a.checkpoint, "--checkpoint")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"eval_long: {e}") from e
     return a, overrides
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from titan_ulysses.checkpoint.eval_model import load_eval_model
 from titan_ulysses.checkpoint.hf_export import ASSETS, read_data_settings, read_model_record
+from titan_ulysses.checkpoint.verify import verify_checkpoint
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.datasets import make_passkey_tokens, random_passkey
 from titan_ulysses.data.sharding import shard_batch
@@ -66,9 +67,10 @@ def parse_args(argv):
         raise SystemExit(f"--depths {a.depths}: every depth must lie within [0, 1]")
     if a.samples < 1:
         raise SystemExit(f"--samples {a.samples} must be >= 1")
-    if not os.path.isfile(os.path.join(a.checkpoint, ".metadata")):
-        raise SystemExit(f"--checkpoint {a.checkpoint!r} is not a complete checkpoint (no .metadata): "
-                         f"point it at a step-N folder of checkpoint.folder")
+    try:  # before anything reads it (its record, its data settings): each process checks it whole
+        verify_checkpoint(a.checkpoint, "--checkpoint")
+    except (OSError, ValueError) as e:
+        raise SystemExit(str(e)) from e
     return a, overrides
 
 

@@ -4,8 +4,10 @@
         --output outputs/needle_demo/hf [--dtype float32] [--max-shard-size 5GB]
 
 The weights are written in the dtype they came in: a run started from a Hugging Face folder
-exports that folder's config.json dtype, a run from scratch the dtype of its saved parameters
-(float32); --dtype overrides (e.g. bfloat16 for a smaller folder).
+exports the dtype of that folder's safetensors (recorded in the checkpoint; the output line says
+so when its config.json names another), a run from scratch the dtype of its saved parameters
+(float32); --dtype overrides (e.g. bfloat16 for a smaller folder). The checkpoint is verified
+against its manifest first: a damaged one is refused, nothing is written.
 
 Every checkpoint records the model arguments it was trained with (``model_args.json``)
 and, for runs started from a Hugging Face folder, that folder's config.json and tokenizer
@@ -48,7 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint", required=True, help="a step-N checkpoint folder")
     parser.add_argument("--output", required=True, help="the Hugging Face folder to write")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                        help="the weights' dtype (default: the dtype they came in: the source config.json's, "
+                        help="the weights' dtype (default: the dtype they came in: the source safetensors', "
                              "else the saved parameters')")
     parser.add_argument("--max-shard-size", type=parse_size, default="5GB",
                         help="largest safetensors file; above it the weights are sharded with an index (default 5GB)")
@@ -77,12 +79,12 @@ def main(argv=None) -> int:
             written = export_peft_adapter(a.checkpoint, a.output, a.base_model)
             print(f"wrote {a.output}: {', '.join(written)}")
             return 0
-        dtype = getattr(torch, a.dtype) if a.dtype else source_dtype(a.checkpoint)
+        dtype = getattr(torch, a.dtype) if a.dtype else None  # None: export_hf takes source_dtype's, once verified
         written = export_hf(a.checkpoint, args, a.output, dtype, a.max_position_embeddings, a.max_shard_size)
+        dtype, how = (dtype, "--dtype") if dtype else source_dtype(a.checkpoint)
     except (OSError, ValueError) as e:
         print(f"export_hf: {e}", file=sys.stderr)
         return 2
-    how = "--dtype" if a.dtype else "the dtype the weights came in"
     print(f"wrote {a.output} ({str(dtype).removeprefix('torch.')}, {how}): {', '.join(written)}")
     return 0
 

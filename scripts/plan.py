@@ -4,7 +4,9 @@ to start from, the memory per device by phase, and an estimated throughput out.
     python scripts/plan.py (--flavor 8B | --hf-assets-path DIR) --seq-len 131072 --gpus 8 \\
         [--gpu-memory-gib 80] [--out plan.toml]
 
-The layout and memory switches are the first that fit 90% of the device by the memory
+The same pre-flight as a launch runs first (``preflight.validate`` and ``check_files``): a model
+folder or setting the trainer refuses is refused here, in the same line. The layout and memory
+switches are the first that fit 90% of the device by the memory
 estimate (``metrics/memory_estimate.py``, ``memory_fit.recommend``: the same search as
 ``scripts/estimate_memory.py``). The throughput is an ESTIMATE: the step's FLOPs
 (``metrics/flops.py``, plus the forward recomputed under activation checkpointing) at the
@@ -16,6 +18,7 @@ measured compiled Llama-3-8B 128K step (docs/benchmarks.md) reached 3673 tokens/
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 # docs/benchmarks.md, "local attention at 32K+": bf16 matmul 787 TFLOP/s, cuDNN SDPA 74% of it at
@@ -47,7 +50,8 @@ def tokens_per_second(args, seq_len: int, ac_mode: str, matmul_tflops: float) ->
 def plan_config(a):
     """The JobConfig of the plan, its layout and the memory estimate, or SystemExit naming why not."""
     from titan_ulysses.config.manager import ConfigError, _set, load_config
-    from titan_ulysses.preflight import validate
+    from titan_ulysses.data.sources import DataError
+    from titan_ulysses.preflight import check_files, validate
     from titan_ulysses.metrics.memory_estimate import GIB, estimate
     from titan_ulysses.metrics.memory_fit import BUDGET, from_config, recommend
 
@@ -58,7 +62,8 @@ def plan_config(a):
         "--model.flavor", a.flavor]
     try:
         config = load_config(base)
-        dims = validate(config, a.gpus)
+        dims = validate(config, a.gpus)  # the trainer's pre-flight: what it refuses is not planned for
+        check_files(config)
         args, layout, switches = from_config(config, dims)
         rec = recommend(args, layout, switches, a.seq_len, 1, a.gpus, BUDGET * a.gpu_memory_gib * GIB)
         if rec is None:
@@ -68,7 +73,7 @@ def plan_config(a):
             key, value = flag.split()
             _set(config, key[2:], value, from_cli=True)
         dims = validate(config, a.gpus)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         raise SystemExit(f"plan: {e}") from e
     args, layout, switches = from_config(config, dims)
     return config, dims, args, estimate(args, layout, switches, a.seq_len, 1), rec[1]
@@ -112,8 +117,10 @@ def main(argv=None) -> int:
                    help=f"bf16 matmul rate of the GPU (default {MATMUL_TFLOPS:g}: measured on an H200)")
     p.add_argument("--out", default="", help="also write the TOML here")
     a = p.parse_args(argv)
-    if a.seq_len <= 0 or a.gpus <= 0 or a.gpu_memory_gib <= 0 or a.matmul_tflops <= 0:
-        raise SystemExit("plan: --seq-len, --gpus, --gpu-memory-gib and --matmul-tflops must be positive")
+    for flag, value in (("--seq-len", a.seq_len), ("--gpus", a.gpus), ("--gpu-memory-gib", a.gpu_memory_gib),
+                        ("--matmul-tflops", a.matmul_tflops)):
+        if not (math.isfinite(value) and value > 0):  # nan > 0 is False, but so is nan <= 0
+            raise SystemExit(f"plan: {flag} must be a positive finite number, got {value}")
     from titan_ulysses.metrics.memory_estimate import GIB
 
     config, dims, args, est, overrides = plan_config(a)

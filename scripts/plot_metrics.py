@@ -4,7 +4,8 @@ device and peak memory over steps, the runs overlaid, into one PNG.
     python scripts/plot_metrics.py outputs/A [outputs/B ...] [--out outputs/A/metrics.png]
 
 A run resumed from an earlier checkpoint logs some steps twice; the later record of a step wins
-(the curve the resumed run actually followed).
+(the curve the resumed run actually followed). A last line cut short (a run killed while writing
+it) is skipped with a note; any other line that is not JSON is refused.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def read_run(folder: str) -> tuple[dict[int, dict], dict[int, float]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
+                if not line.endswith("\n"):  # the last line, cut short: a run killed while writing it
+                    print(f"plot_metrics: {path}:{number}: skipped the last line, cut short (the run was stopped while "
+                          f"writing it)", file=sys.stderr)
+                    break
                 raise SystemExit(f"plot_metrics: {path}:{number} is not JSON ({e.msg})") from e
             if "validation_loss" in row:
                 validation[row["step"]] = row["validation_loss"]

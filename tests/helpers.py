@@ -127,6 +127,16 @@ def checkpoint_setup(folder, layout=None, **kwargs):
     return model, opt, loader, sched, mgr
 
 
+def add_manifest(step_dir) -> None:
+    """Commit a checkpoint written without the manager (``dcp.save`` in one process, a model record)
+    as the manager does: its manifest, which every reader verifies before reading (issue 33)."""
+    from titan_ulysses.checkpoint import manifest
+
+    step_dir = str(step_dir)
+    manifest.write_manifest(step_dir, 0, {name: manifest.checksum(os.path.join(step_dir, name))
+                                          for name in manifest.data_files(step_dir)})
+
+
 def tiny_train_step(model, opt):
     tokens = torch.randint(0, 264, (1, 8), generator=torch.Generator().manual_seed(7))
     model(tokens, labels=tokens).backward()

@@ -298,3 +298,33 @@ def test_flex_block_mask_traces_in_a_compiled_block():
         with torch.no_grad():  # no CPU backward
             out = compiled(q, k, v, build_attention_mask("flex", d))
         assert_close(out.double(), reference(q, k, v, d, 9, 2.0), f"docs={d is not None}")
+
+
+def test_sdpa_sinks_match_transformers_eager_gpt_oss_attention():
+    """gpt-oss's sinks on the sdpa backend (explicit scores, in query blocks; with a window) against
+    transformers' own eager attention: output and the gradients of q, k, v and the sinks."""
+    pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from titan_ulysses.ops.attention import build_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, s, hq, hkv, d = 2, 37, 4, 2, 8
+    q, k, v = (torch.randn(b, s, h, d, generator=g) * 2 for h in (hq, hkv, hkv))
+    sinks = torch.randn(hq, generator=g) * 2
+    for window in (0, 9):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        ours = build_attention("sdpa")(*leaves[:3], None, window=window, sinks=leaves[3])
+        ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        module = torch.nn.Module()
+        module.sinks, module.num_key_value_groups, module.training = ref_leaves[3], hq // hkv, False
+        i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        visible = (j <= i) & ((i - j < window) if window else True)
+        mask = torch.zeros(s, s).masked_fill(~visible, float("-inf"))[None, None].expand(b, 1, s, s)
+        ref, _ = eager_attention_forward(module, *(t.transpose(1, 2) for t in ref_leaves[:3]), mask,
+                                         scaling=d ** -0.5, dropout=0.0)  # [B, S, H, D]
+        assert_close(ours, ref, f"output, window {window}")
+        grad = torch.randn(ours.shape, generator=g)
+        ours.backward(grad), ref.backward(grad)
+        for a, r, name in zip(leaves, ref_leaves, ("q", "k", "v", "sinks")):
+            assert_close(a.grad, r.grad, f"d{name}, window {window}")

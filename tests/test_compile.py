@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import extras
 from dist_utils import assert_close, run_distributed
 from model_harness import assert_blocks_match, small_args, split_overrides
 from titan_ulysses.distributed.parallel_dims import ParallelDims
@@ -68,6 +69,7 @@ def _compiled_memory_switches_match_eager(ac_mode, float8):
         assert_close(c_grads[name], g, f"compiled grad {name}", **tol)
 
 
-@pytest.mark.parametrize("ac_mode, float8", [("full_offload", False), ("selective", True)])
+@pytest.mark.parametrize("ac_mode, float8", [("full_offload", False),
+                                             pytest.param("selective", True, marks=extras.needs("torchao"))])
 def test_compile_composes_with_tiled_mlp_chunked_loss_offload_and_float8(ac_mode, float8):
     run_distributed(_compiled_memory_switches_match_eager, 2, ac_mode, float8)

@@ -16,6 +16,7 @@ import torch
 
 from dist_utils import assert_close
 from hf_fixtures import make_hf_model
+from helpers import add_manifest
 from titan_ulysses.checkpoint.hf import load_hf_weights
 from titan_ulysses.checkpoint.hf_export import export_hf, write_model_record
 from titan_ulysses.models.extension import extend_context
@@ -74,6 +75,7 @@ def test_export_at_the_extended_length_loads_silently_with_our_logits(tmp_path, 
     step = str(tmp_path / "step-1")
     dcp.save({"model": model.state_dict()}, checkpoint_id=step, no_dist=True)
     write_model_record(step, args, folder, seq_len=trained)
+    add_manifest(step)
     export_hf(step, None, str(tmp_path / "out"), torch.float32)
     config = json.loads(open(tmp_path / "out" / "config.json").read())
     assert config["max_position_embeddings"] >= trained and config["rope_scaling"]["rope_type"] == method

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import extras
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.preflight import validate
 
@@ -63,15 +64,21 @@ def test_troubleshooting_table_quotes_the_real_message(argv, world):
     assert any(q in str(e.value) for q in quoted), f"no row of the table quotes: {e.value}"
 
 
-def test_troubleshooting_quotes_for_float8_and_nan_are_current():
+@extras.needs("torchao")
+def test_troubleshooting_quote_for_float8_is_current():
     table = re.split(r"^## \d+\. Troubleshooting", open(GUIDE).read(), flags=re.M)[1]
     import torch
 
-    if not torch.cuda.is_available():
-        with pytest.raises(ConfigError) as e:
-            validate(load_config(["--config", "train_configs/debug_model.toml", "--float8.enable", "true"]), 2)
-        assert "float8.enable needs an NVIDIA GPU of compute capability >= 8.9 and none is visible" in str(e.value)
-        assert "float8.enable needs an NVIDIA GPU of compute capability >= 8.9 and none is visible" in table
+    if torch.cuda.is_available():
+        pytest.skip("the quoted refusal is a machine without a GPU's")
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(["--config", "train_configs/debug_model.toml", "--float8.enable", "true"]), 2)
+    assert "float8.enable needs an NVIDIA GPU of compute capability >= 8.9 and none is visible" in str(e.value)
+    assert "float8.enable needs an NVIDIA GPU of compute capability >= 8.9 and none is visible" in table
+
+
+def test_troubleshooting_quote_for_nan_is_current():
+    table = re.split(r"^## \d+\. Troubleshooting", open(GUIDE).read(), flags=re.M)[1]
     from types import SimpleNamespace
 
     from titan_ulysses.config.job_config import JobConfig
@@ -83,3 +90,20 @@ def test_troubleshooting_quotes_for_float8_and_nan_are_current():
         Trainer._nonfinite_step(run, float("nan"), 1.0, 1e-3)
     quoted = re.findall(r"`([^`]+)`", table)
     assert any(q in str(e.value) for q in quoted if q.startswith("loss is")), f"no row of the table quotes: {e.value}"
+
+
+def test_troubleshooting_maps_nan_at_step_1_to_config_json(tmp_path):
+    """A NaN at step 1 points at config.json's fields, and the pre-flight refusal of one is quoted."""
+    import json
+
+    table = re.split(r"^## \d+\. Troubleshooting", open(GUIDE).read(), flags=re.M)[1]
+    nan_row = next(row for row in table.splitlines() if row.startswith("| `loss is nan at step`"))
+    for field in ("At step 1", "config.json", "rms_norm_eps", "rope_theta", "rope_scaling", "factor"):
+        assert field in nan_row, field
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=128, vocab_size=320, rms_norm_eps=-1)))
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(["--model.hf_assets_path", str(tmp_path)]), 1)
+    quoted = re.findall(r"^\| `([^`]+)`", table, flags=re.M)
+    assert any(q in str(e.value) for q in quoted), f"no row of the table quotes: {e.value}"

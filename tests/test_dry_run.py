@@ -36,7 +36,8 @@ def written_device_gib(path: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory):
-    """A tiny Llama folder (config.json, safetensors, tokenizer.json), a tiktoken BPE file and a corpus."""
+    """A tiny Llama folder (config.json, safetensors, tokenizer.json), a tiktoken BPE file and a corpus that fills
+    a window of every shipped config (the dry run refuses one that does not, as a launch does)."""
     root = tmp_path_factory.mktemp("stand_ins")
     hf = str(root / "hf")
     make_hf_model(hf, "llama", {})
@@ -44,9 +45,11 @@ def stand_ins(tmp_path_factory):
     ranks = [bytes([b]) for b in range(256)] + [b"he", b"ll", b"hell", b"hello"]
     (root / "tokenizer.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n"
                                                   for i, t in enumerate(ranks)))
-    with open(root / "corpus.jsonl", "w") as f:
+    with open(root / "corpus.jsonl", "w") as f:  # one window of the longest config's seq_len (6M tokens) at least
         for text in TEXTS * 4:
             f.write(json.dumps({"text": text}) + "\n")
+        for _ in range(120):
+            f.write(json.dumps({"text": " ".join(TEXTS) * 100}) + "\n")
     return {"hf": hf, "tiktoken": str(root / "tokenizer.model"), "corpus": str(root / "corpus.jsonl")}
 
 
@@ -180,3 +183,55 @@ def test_the_command_line_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error: parallelism"), proc.stderr
+
+
+def test_the_dry_run_refuses_what_a_launch_refuses_once_started(train_main, tmp_path, monkeypatch):
+    """A corpus smaller than one window, an output folder that cannot be written, W&B without a login: each
+    passed the dry run and stopped the launch (the last two with a traceback or after the process group)."""
+    from titan_ulysses.config.manager import load_config
+    from titan_ulysses.data.build import build_dataset
+    from titan_ulysses.data.sources import DataError
+    from titan_ulysses.data.tokenizer import ByteTokenizer
+
+    base = ["--config", os.path.join(ROOT, "train_configs", "debug_model.toml"), "--dry-run", "--world-size", "2"]
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"text": f"row {i} " * 10}) + "\n" for i in range(5)))  # 5 rows, 310 tokens
+    text = ["--training.dataset", "text", "--training.dataset_path", str(small),
+            "--training.dataset_cache_dir", str(tmp_path / "cache")]
+    for extra in ([], ["--training.packing", "false", "--training.min_document_tokens", "100"]):
+        config = load_config([a for a in base if a not in ("--dry-run", "--world-size", "2")] + text + extra)
+        with pytest.raises(DataError) as launch:  # what the launch says, building the dataset
+            build_dataset("text", str(small), ByteTokenizer(), config, 0)
+        code, _, err = train_main([*base, *text, *extra])
+        assert code == 2 and err == [f"data error: {launch.value}"], err
+    assert "fewer than one window of training.seq_len = 512" in str(launch.value)
+    code, out, err = train_main([*base, *text, "--training.seq_len", "256"])  # 310 tokens: one window
+    assert code == 0, err
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tb").write_text("a file where the tensorboard folder goes")
+    dump = ["--job.dump_folder", str(tmp_path / "run")]
+    code, _, err = train_main([*base, *dump, "--metrics.enable_tensorboard", "true"])
+    assert code == 2 and err == [f"config error: metrics.enable_tensorboard: its tensorboard folder "
+                                 f"'{tmp_path / 'run' / 'tb'}' is a file, not a folder; name a folder (it is created "
+                                 f"if missing); or set metrics.enable_tensorboard false"], err
+    assert train_main([*base, *dump])[0] == 0
+
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
+    monkeypatch.chdir(tmp_path)
+    pytest.importorskip("wandb")  # metrics.enable_wandb without the package is refused by validate
+    code, _, err = train_main([*base, "--metrics.enable_wandb", "true"])
+    assert code == 2 and err == [f"config error: metrics.enable_wandb: no W&B login for api.wandb.ai (no "
+                                 f"WANDB_API_KEY, no api.wandb.ai entry in {tmp_path / 'home' / '.netrc'}); run `wandb "
+                                 f"login`, or set WANDB_MODE=offline (sync later with `wandb sync`) or "
+                                 f"metrics.enable_wandb false"], err
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    assert train_main([*base, "--metrics.enable_wandb", "true"])[0] == 0
+    (tmp_path / "home" / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert train_main([*base, "--metrics.enable_wandb", "true"])[0] == 0

@@ -150,3 +150,70 @@ def test_export_script(tmp_path, capsys):
     code, err = export("debugmodel_gqa1", "hf_wrong")
     assert code != 0 and "does not match the model arguments" in err
     assert not (tmp_path / "hf_wrong" / "model.safetensors").exists()
+
+
+def test_export_takes_the_dtype_of_the_source_weights_not_config_json(tmp_path, capsys):
+    """Issue 33, item 4: config.json said bfloat16 over F32 safetensors, and the export downcast to
+    BF16 saying "the dtype the weights came in". The dtype now comes from the tensors (recorded in
+    the checkpoint); config.json's disagreement is named in the output line."""
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from helpers import add_manifest
+    from hf_fixtures import make_hf_model
+    from titan_ulysses.checkpoint.hf import load_hf_weights
+    from titan_ulysses.checkpoint.hf_export import write_model_record
+    from titan_ulysses.models.hf_config import load_hf_args
+
+    spec = importlib.util.spec_from_file_location("export_hf_script", os.path.join(ROOT, "scripts", "export_hf.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def source(name, dtype):
+        folder = tmp_path / name
+        make_hf_model(str(folder), "llama", {})
+        file = str(folder / "model.safetensors")
+        save_file({k: v.to(dtype) for k, v in load_file(file).items()}, file, metadata={"format": "pt"})
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "torch_dtype": "bfloat16"}))
+        return str(folder)
+
+    def checkpoint(folder, name):
+        args = load_hf_args(folder)
+        model = Transformer(args)
+        load_hf_weights(model, folder)
+        step = tmp_path / name / "step-1"
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(step), no_dist=True)
+        write_model_record(str(step), args, folder)
+        add_manifest(step)
+        return step
+
+    def export(step, out):
+        assert script.main(["--checkpoint", str(step), "--output", str(tmp_path / out)]) == 0
+        line = capsys.readouterr().out.strip()
+        with safe_open(str(tmp_path / out / "model.safetensors"), framework="pt") as f:
+            dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+        assert json.loads((tmp_path / out / "config.json").read_text())["dtype"] == {"F32": "float32",
+                                                                                     "BF16": "bfloat16"}[dtypes.pop()]
+        assert not dtypes
+        return line.split(": model.safetensors")[0]
+
+    f32 = checkpoint(source("f32", torch.float32), "run_f32")
+    assert export(f32, "out_f32") == (f"wrote {tmp_path / 'out_f32'} (float32, the dtype of the source weights; the "
+                                      f"source config.json says bfloat16 (--dtype writes another))")
+    assert json.loads((f32 / "model_args.json").read_text())["weights_dtype"] == "float32"
+    bf16 = checkpoint(source("bf16", torch.bfloat16), "run_bf16")
+    assert export(bf16, "out_bf16") == f"wrote {tmp_path / 'out_bf16'} (bfloat16, the dtype of the source weights)"
+    # a checkpoint recorded before weights_dtype existed: the saved parameters' dtype, never config.json's claim
+    record = json.loads((f32 / "model_args.json").read_text())
+    del record["weights_dtype"]
+    (f32 / "model_args.json").write_text(json.dumps(record))
+    os.remove(f32 / "manifest.json")
+    add_manifest(f32)
+    assert export(f32, "out_old") == (
+        f"wrote {tmp_path / 'out_old'} (float32, the dtype of the saved parameters (the checkpoint does not record "
+        f"its source weights' dtype); the source config.json says bfloat16 (--dtype writes another))")

@@ -100,3 +100,18 @@ def test_a_broken_tokenizer_json_is_refused_before_any_process_group(tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("config error: model.tokenizer_path") and \
         "is not a valid tokenizer.json" in err[0], err
+
+
+def test_a_tensorboard_folder_that_cannot_be_one_is_refused_at_launch(tmp_path, capsys):
+    """``tb`` a file under the dump folder: one line before any process group (an OSError traceback before)."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tb").write_text("not a folder")
+    sys.path.insert(0, ROOT)
+    import train
+
+    assert train.main(["--job.dump_folder", str(tmp_path / "run"), "--model.flavor", "debugmodel",
+                       "--parallelism.ulysses_degree", "1", "--metrics.enable_tensorboard", "true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"config error: metrics.enable_tensorboard: its tensorboard folder '{tmp_path / 'run' / 'tb'}' is "
+                   f"a file, not a folder; name a folder (it is created if missing); or set "
+                   f"metrics.enable_tensorboard false"], err

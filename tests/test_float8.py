@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torchao.float8.float8_linear import Float8Linear
 
+import extras
 from dist_utils import run_distributed
 from model_harness import clean_name, full, make_batch, parallel_step, reference_step, small_args
 from titan_ulysses.config.manager import ConfigError, load_config
@@ -22,6 +22,9 @@ from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import load_full_state_dict
 from titan_ulysses.models.llama.model import Transformer
 from titan_ulysses.models.llama.parallelize import ParallelizeOptions, parallelize_llama
+
+extras.importorskip("torchao")
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
 
 def _model(args):

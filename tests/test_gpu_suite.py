@@ -30,7 +30,7 @@ DRY = {
 # the short parts' own case functions (their other cases are the long parts' functions, run above);
 # second's cell runs train_cell, the bench cells' function
 DRY_SHORT = {
-    "first": ["features_multirank", "families_bf16", "headline_8b_128k_sim8_compile_bf16_selective",
+    "first": ["features_multirank", "moe_grouped_mm_bf16", "families_bf16", "headline_8b_128k_sim8_compile_bf16_selective",
               "limits_6m_staged_two_layers_1m"],
     "second": ["8b_128k_sim8_compile_bf16_full_offload"],
 }

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from dist_utils import assert_close, run_distributed
 from hf_fixtures import FAMILY_VARIANTS, make_hf_model
+from helpers import add_manifest
 from model_harness import clean_name, full, make_batch
 from titan_ulysses.checkpoint.hf import load_hf_weights
 from titan_ulysses.checkpoint.hf_adapter import to_hf
@@ -129,6 +130,7 @@ def test_export_round_trip_is_exact_and_loads_silently(folders, name, tmp_path):
     step = str(tmp_path / "step-1")
     dcp.save({"model": model.state_dict()}, checkpoint_id=step, no_dist=True)
     write_model_record(step, model.args, folder, seq_len=SEQ)
+    add_manifest(step)
     out = str(tmp_path / "out")
     export_hf(step, None, out, torch.float32, max_shard_size=40 * 1024)
 

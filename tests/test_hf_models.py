@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from dist_utils import assert_close, run_distributed
 from hf_fixtures import VARIANTS, make_hf_model
+from helpers import add_manifest
 from model_harness import make_batch, parallel_step
 from titan_ulysses.checkpoint.hf import load_hf_weights
 from titan_ulysses.checkpoint.hf_adapter import from_hf, halves_to_interleaved, interleaved_to_halves, to_hf
@@ -148,6 +149,7 @@ def test_export_of_each_family_loads_in_transformers(folders, name, tmp_path):
     step = str(tmp_path / "step-1")
     dcp.save({"model": model.state_dict()}, checkpoint_id=step, no_dist=True)
     write_model_record(step, model.args, folder)
+    add_manifest(step)
     export_hf(step, None, str(tmp_path / "out"), torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
     hf.config._attn_implementation = "eager"

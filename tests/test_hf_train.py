@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_fixtures import TEXTS, make_hf_model, make_tokenizer
+from helpers import add_manifest
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.preflight import check_files, validate
 from titan_ulysses.data.hf_tokenizer import HFTokenizer
@@ -101,7 +102,7 @@ def test_continue_training_export_round_trip(trained, tmp_path):
     proc = subprocess.run([sys.executable, "scripts/export_hf.py", "--checkpoint", str(step), "--output", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "(float32, the dtype the weights came in)" in proc.stdout, proc.stdout
+    assert "(float32, the dtype of the source weights)" in proc.stdout, proc.stdout
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     assert type(exported).__name__ == "LlamaForCausalLM"
     ours, theirs = exported.state_dict(), hf_model.state_dict()
@@ -130,6 +131,7 @@ def test_export_shards_with_an_index_above_the_threshold(trained, tmp_path):
     step = tmp_path / "step-1"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(step), no_dist=True)
     write_model_record(str(step), model.args, folder)
+    add_manifest(step)
     written = export_hf(str(step), None, str(tmp_path / "out"), torch.float32, max_shard_size=100_000)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -238,6 +240,7 @@ def test_refusals_name_the_setting_before_any_weight_is_read(trained, tmp_path, 
     # a checkpoint of one shape as the start of a run of another
     ckpt = tmp_path / "ckpt"
     dcp.save({"model": Transformer(small_args()).state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
+    add_manifest(ckpt)  # a committed checkpoint (verified first), of another shape
     msg = refusal(["--model.flavor", "debugmodel", "--checkpoint.initial_load_path", str(ckpt)])
     assert msg.startswith("checkpoint.initial_load_path: the checkpoint does not match the model arguments")
 
@@ -248,9 +251,10 @@ def test_missing_tokenizer_is_one_line_once_exit_2(trained, tmp_path):
            "--model.hf_assets_path", trained[0], "--model.tokenizer", "hf", "--model.tokenizer_path", str(tmp_path),
            "--parallelism.ulysses_degree", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    refusal = f"config error: model.tokenizer_path: no tokenizer.json at '{tmp_path}/tokenizer.json'"
     lines = [line for line in proc.stderr.splitlines() if "config error" in line]
-    assert lines == [f"config error: model.tokenizer_path: no tokenizer.json at '{tmp_path}/tokenizer.json'"], (
-        proc.stderr[-2000:])
+    # printed once by rank 0, and repeated as the last line of torchrun's report (its "traceback :" field)
+    assert lines == [refusal, f"  traceback : {refusal}"], proc.stderr[-2000:]
     # no traceback from our code (torchrun prints its own ChildFailedError); the worker exited with 2
     assert "titan_ulysses/" not in proc.stderr and 'train.py", line' not in proc.stderr
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr

@@ -201,3 +201,24 @@ def test_summary_lines(capsys):
     assert "final loss 1.5000, validation loss 1.2500 (step 10)\n  checkpoint: out/checkpoint/step-10\n" in out
     ConsoleLogger().log_summary(RunProgress(10, 10, 512).summary(10, "out/checkpoint/step-10", "m"))
     assert capsys.readouterr().out == ""  # the trainer's "all 10 steps of training.steps are done" line is the one
+
+
+def test_login_problem_reads_the_sources_wandb_reads(tmp_path, monkeypatch):
+    """The dry run's W&B check: refused only when none of wandb's login sources is there."""
+    from titan_ulysses.metrics.loggers.wandb_logger import login_problem
+
+    monkeypatch.chdir(tmp_path)
+    netrc = tmp_path / "netrc"
+    bare = {"NETRC": str(netrc), "WANDB_CONFIG_DIR": str(tmp_path / "cfg")}
+    assert login_problem(bare).startswith("metrics.enable_wandb: no W&B login for api.wandb.ai (no WANDB_API_KEY")
+    assert "no example.com entry" in login_problem({**bare, "WANDB_BASE_URL": "https://example.com"})
+    for extra in ({"WANDB_API_KEY": "k"}, {"WANDB_MODE": "offline"}, {"WANDB_MODE": "disabled"},
+                  {"WANDB_IDENTITY_TOKEN_FILE": "/tok"}):
+        assert login_problem({**bare, **extra}) is None, extra
+    netrc.write_text("machine api.wandb.ai login user password secret\n")
+    assert login_problem(bare) is None
+    assert login_problem({**bare, "WANDB_BASE_URL": "https://example.com"}) is not None
+    netrc.unlink()
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "settings").write_text("[default]\nmode = offline\n")  # what `wandb offline` writes
+    assert login_problem(bare) is None

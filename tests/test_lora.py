@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import extras
 from dist_utils import assert_close, run_distributed
 from model_harness import clean_name, full, make_batch, parallel_step, reference_step, small_args, split_overrides
 from titan_ulysses.checkpoint.lora_export import AdapterMismatchError
@@ -135,9 +136,10 @@ CASES = {
     "sp2-float8-rowwise": (2, dict(sp=2), "none", False, 1, {},
                               dict(float8=Float8Options(recipe="rowwise", emulate=True))),
 }
+NEEDS = {"sp2-float8-rowwise": extras.needs("torchao")}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=NEEDS.get(c, ())) for c in CASES])
 def test_lora_layout_matches_single_process(case):
     world, layout, ac_mode, compile_, microbatches, overrides, extra = CASES[case]
     run_distributed(_compare, world, layout, ac_mode, compile_, microbatches, overrides, extra)
@@ -207,6 +209,13 @@ def test_lora_resume_at_another_layout_is_exact(tmp_path):
      "lora.rank 8 with parallelism.tensor_parallel_degree 2 is not supported"),
     (["--lora.rank", "8", "--lora.dropout", "0.1", "--model.mlp_tile_size", "64"],
      "lora.dropout 0.1 with model.mlp_tile_size 64: the tiled MLP recomputes"),
+    # rank 0 is a full fine-tune: other [lora] settings beside it contradict it (it ran silently before)
+    (["--lora.rank", "0", "--lora.alpha", "64"],
+     "lora.rank 0 turns LoRA off (a full fine-tune of every weight), yet lora.alpha 64.0 is set; set lora.rank > 0 "
+     "to train adapters, or remove the other [lora] settings for a full fine-tune"),
+    (["--lora.dropout", "0.05", "--lora.target_modules", "q_proj,v_proj"],
+     "lora.rank 0 turns LoRA off (a full fine-tune of every weight), yet lora.dropout 0.05, lora.target_modules "
+     "'q_proj,v_proj' are set"),
 ])
 def test_lora_settings_refused_before_any_process_group(argv, refusal):
     from titan_ulysses.config.manager import ConfigError, load_config
@@ -286,3 +295,43 @@ def test_chunked_loss_with_a_frozen_output_weight():
     cross_entropy_sum(expected @ weight.t(), labels).backward()
     assert_close(hidden.grad, expected.grad, "hidden gradient")
     assert weight.grad is None
+
+
+def test_init_lora_zeroes_every_b_so_the_logits_are_the_base_models_bit_for_bit():
+    """peft's init: B exactly zero (A random), so a fresh adapter changes nothing at all."""
+    args = small_args()
+    torch.manual_seed(0)
+    plain = Transformer(args)
+    plain.init_weights()
+    adapted = Transformer(args)
+    adapted.load_state_dict(plain.state_dict())
+    apply_lora(adapted, LORA, torch.float32)
+    init_lora(adapted, seed=1)
+    b = [p for n, p in adapted.named_parameters() if n.endswith("lora_B")]
+    a = [p for n, p in adapted.named_parameters() if n.endswith("lora_A")]
+    assert len(b) == len(a) == 7 * args.n_layers
+    assert all(torch.count_nonzero(p) == 0 for p in b), "a lora_B is not exactly zero after init_lora"
+    assert all(torch.count_nonzero(p) > 0 for p in a)
+    tokens = torch.randint(0, args.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(adapted(tokens), plain(tokens))
+
+
+@pytest.mark.parametrize("rank, alpha", [(4, 8.0), (2, 16.0), (8, 1.0)])
+def test_the_adapter_update_is_alpha_over_rank_times_b_a(rank, alpha):
+    """Against the formula itself, not the module's own ``lora_scaling``: y = x W^T + (alpha / rank) x A^T B^T."""
+    linear = torch.nn.Linear(12, 10, bias=True)
+    model = torch.nn.Module()
+    model.attention = torch.nn.Module()
+    model.attention.wq = linear
+    base = torch.nn.Linear(12, 10, bias=True)
+    base.load_state_dict(linear.state_dict())
+    apply_lora(model, LoRAOptions(rank=rank, alpha=alpha, targets=("q_proj",)), torch.float32)
+    g = torch.Generator().manual_seed(rank)
+    a, b = torch.randn(rank, 12, generator=g), torch.randn(10, rank, generator=g)
+    with torch.no_grad():
+        linear.lora_A.copy_(a)
+        linear.lora_B.copy_(b)
+        x = torch.randn(3, 5, 12, generator=g)
+        expected = base(x) + (alpha / rank) * (x @ a.t() @ b.t())
+        torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)

@@ -86,3 +86,22 @@ def test_flash_attn_missing_is_a_clear_error():
             build_attention("flash_attn")
     else:
         assert build_attention("flash_attn") is not None
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_refusal_is_also_the_last_line():
+    """torchrun's ChildFailedError report ends with our line (rank 0's error file), not a link to its docs."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "train.py", "--config", "train_configs/debug_model.toml", "--parallelism.ulysses_degree",
+                           "3"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("config error: ")]
+    assert len(ours) == 1 and ours[0].startswith("config error: parallelism: world size 2 is not divisible by"), \
+        proc.stderr
+    last = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("=")][-1]
+    assert last == f"  traceback : {ours[0]}", proc.stderr

@@ -263,7 +263,9 @@ def test_a_config_error_under_torchrun_is_printed_once():
          "--optimizer.beta1", "2.0"], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=ROOT),
     )
-    assert proc.stderr.count("config error: optimizer.beta1 must lie in [0, 1), got 2.0") == 1, proc.stderr
+    refusal = "config error: optimizer.beta1 must lie in [0, 1), got 2.0"
+    # once by rank 0 (not once per rank), and again as the last line of torchrun's report
+    assert proc.stderr.count(refusal) == 2 and proc.stderr.count(f"traceback : {refusal}") == 1, proc.stderr
     assert "exitcode  : 2" in proc.stderr  # each worker exits 2 ...
     assert proc.returncode == 1  # ... and torchrun itself exits 1, as the README says
 

@@ -225,6 +225,11 @@ def test_missing_dataset_path_is_one_line(tmp_path):
 @pytest.mark.parametrize("content, dataset, message", [
     (b"", "text", "holds no documents"),
     (b'{"text": "fine"}\n{"txt": "typo"}\n', "text", r"bad.jsonl line 2: field 'text' is missing"),
+    # present but null: not "missing" beside a list of the fields found that names it
+    (b'{"text": "fine"}\n{"text": null}\n', "text", r"bad.jsonl line 2: field 'text' is null; every row needs a "
+                                                   r"string 'text' \(fields found: \['text'\]\)$"),
+    (b'{"text": ["a"]}\n', "text", r"bad.jsonl line 1: field 'text' is a list; "),
+    (b'{"prompt": null, "completion": "c"}\n', "sft", r"bad.jsonl line 1: field 'prompt' is null; a string"),
     (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', "text", r"bad.jsonl line 2: not UTF-8"),
     (b'{"prompt": "p", "completion": "c"}\n{"prompt": "p"}\n', "sft", r"bad.jsonl line 2: field 'completion' is missing"),
     (b'{"prompt": "p", "completion": "' + b"c" * 100 + b'"}\n', "sft", "longer than training.seq_len 32.*'truncate' or 'drop'"),

@@ -62,6 +62,17 @@ def test_plot_metrics_refuses_a_folder_without_metrics(tmp_path):
         plot_metrics.main([str(tmp_path / "bad")])
 
 
+def test_plot_metrics_skips_a_last_line_cut_short(tmp_path, capsys):
+    """A killed run leaves its last line half written: the run is still plotted, and the skip is said."""
+    _write_run(tmp_path / "killed", [_step(1, 5.0), _step(2, 4.0)])
+    with open(tmp_path / "killed" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 3.')
+    train, _ = plot_metrics.read_run(str(tmp_path / "killed"))
+    assert sorted(train) == [1, 2]
+    assert capsys.readouterr().err == (f"plot_metrics: {tmp_path / 'killed' / 'metrics.jsonl'}:3: skipped the last "
+                                       f"line, cut short (the run was stopped while writing it)\n")
+
+
 @pytest.mark.slow
 def test_estimate_memory_track_shows_a_progress_bar():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "estimate_memory.py"), "--config",
@@ -162,7 +173,7 @@ def test_plan_says_when_nothing_fits():
 
 
 def test_plan_reads_a_hugging_face_folder(tmp_path, capsys):
-    from hf_fixtures import make_hf_model
+    from hf_fixtures import make_hf_model, make_tokenizer
 
     from titan_ulysses.config.manager import load_config
     from titan_ulysses.preflight import validate
@@ -170,6 +181,7 @@ def test_plan_reads_a_hugging_face_folder(tmp_path, capsys):
 
     folder = str(tmp_path / "qwen3")
     make_hf_model(folder, "qwen3", {})
+    make_tokenizer(folder)
     plan.main(["--hf-assets-path", folder, "--seq-len", "4096", "--gpus", "2", "--gpu-memory-gib", "0.1",
                "--out", str(tmp_path / "plan.toml")])
     printed = capsys.readouterr().out
@@ -178,3 +190,36 @@ def test_plan_reads_a_hugging_face_folder(tmp_path, capsys):
     validate(config, 2)
     args = load_hf_args(folder)
     assert f"# scripts/plan.py: {args.num_params() / 1e6:,.0f}M params, seq_len 4096, 2 GPUs of 0.1 GiB" in printed
+
+
+def test_plan_runs_the_launchs_pre_flight(tmp_path):
+    """A folder the trainer refuses is not planned for: a Phi-3 longrope of the wrong length, no tokenizer.json."""
+    import json
+
+    from hf_fixtures import make_tokenizer
+
+    folder = tmp_path / "phi3"
+    folder.mkdir()
+    cfg = dict(model_type="phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=2, vocab_size=320, max_position_embeddings=64, original_max_position_embeddings=16,
+               rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    make_tokenizer(str(folder))
+    argv = ["--hf-assets-path", str(folder), "--seq-len", "4096", "--gpus", "2", "--gpu-memory-gib", "80"]
+    with pytest.raises(SystemExit, match=rf"^plan: model.hf_assets_path: {folder}/config.json: rope_scaling.short_factor "
+                                         r"has 3 entries; longrope needs one per rotary frequency, 4 "):
+        plan.main(argv)
+    (folder / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {**cfg["rope_scaling"],
+                                                                            "short_factor": [1.0] * 4,
+                                                                            "long_factor": [2.0] * 4}}))
+    (folder / "tokenizer.json").unlink()  # its TOML says model.tokenizer hf: the launch would refuse it
+    with pytest.raises(SystemExit, match=rf"^plan: model.hf_assets_path: no tokenizer.json at '{folder}/tokenizer.json'"):
+        plan.main(argv)
+
+
+@pytest.mark.parametrize("flag", ["--gpu-memory-gib", "--matmul-tflops"])
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1"])
+def test_plan_refuses_a_number_that_is_not_positive_and_finite(flag, value):
+    argv = ["--flavor", "debugmodel", "--seq-len", "4096", "--gpus", "1", flag, value]
+    with pytest.raises(SystemExit, match=f"^plan: {flag} must be a positive finite number, got "):
+        plan.main(argv)

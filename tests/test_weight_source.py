@@ -210,3 +210,41 @@ def test_the_fresh_start_order_without_a_process_group(tmp_path):
     for name in ("step-2.bad", "step-10.bad", "step-2.bad-2", "step-3", "step-4.tmp", ".run.lock"):
         (tmp_path / "ckpt" / name).mkdir(parents=True)
     assert damaged_checkpoints(str(tmp_path / "ckpt")) == ["step-10.bad", "step-2.bad-2", "step-2.bad"]
+
+
+
+def _own_checkpoint_wins(folder):
+    from helpers import checkpoint_setup, scramble, snapshot, tiny_train_step
+    from titan_ulysses.checkpoint.weight_source import load_start_weights
+
+    model, opt, loader, _, other = checkpoint_setup(os.path.join(folder, "other"))
+    other.save(1)  # another run's checkpoint: this run's initial_load_path
+    start = snapshot(model)
+    model, opt, loader, _, own = checkpoint_setup(os.path.join(folder, "run"))
+    tiny_train_step(model, opt)
+    loader.n = 5
+    own.save(5)  # this run's own, trained past the start
+    expected = snapshot(model)
+    config = load_config(["--checkpoint.enable", "true",
+                          "--checkpoint.initial_load_path", os.path.join(folder, "other", "step-1")])
+
+    def random_init():
+        raise AssertionError("a run with a good checkpoint of its own never initialises at random")
+
+    scramble(model)
+    loader.n = 0
+    source = load_start_weights(config, own, model, random_init)
+    assert (source.kind, source.step, source.describe()) == (
+        "checkpoint", 5, f"step-5 of this run ({os.path.join(folder, 'run', 'step-5')})")
+    assert loader.n == 5
+    from helpers import assert_equal
+
+    assert_equal(snapshot(model), expected, "param")
+    assert any(not torch.equal(start[k], expected[k]) for k in expected)  # the start would be told apart
+
+
+def test_a_run_with_initial_load_path_resumes_from_its_own_checkpoint(tmp_path):
+    """Issue 33's planted bug that only the damaged-checkpoint refusal caught: initial_load_path
+    winning over the run's own good checkpoint. A run that has one resumes from it (its weights,
+    step and loader), whatever initial_load_path says: that is only where a fresh start begins."""
+    run_distributed(_own_checkpoint_wins, 2, str(tmp_path))

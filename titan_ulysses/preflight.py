@@ -7,8 +7,8 @@ parallelism layout, this machine or the files the settings name is here:
 * ``validate(config, world_size)``: the layout (``ParallelDims``), the heads and sequence
   length for it, the attention and float8 settings; reads the model's config.json when
   ``model.hf_assets_path`` is set (through ``models/resolve.py``);
-* ``check_files(config)``: the tokenizer file, the Hugging Face weights' safetensors
-  headers, the DCP metadata of ``checkpoint.initial_load_path``.
+* ``check_files(config)``: the tokenizer files, the chat template of an SFT dataset, the
+  Hugging Face weights' safetensors headers, the DCP metadata of ``checkpoint.initial_load_path``.
 
 The trainer runs both, in ``check_launch``, before it joins the process group, and
 ``check_device`` once it has.
@@ -18,9 +18,12 @@ the two above for ``N`` ranks, then what a launch finds out only later, returned
 plan's text (model, layout, data, memory by phase, what is saved where):
 
 * the tokenizer, built as the trainer builds it, against the model's vocabulary;
+* the output folders (``job.dump_folder``, its ``tb`` folder) and, with W&B on, a login
+  (``metrics/loggers/wandb_logger.py``'s ``login_problem``): a launch finds those out once started;
 * a data sample: the corpus files are listed and their first ``SAMPLE_ROWS`` rows read
-  and tokenized as the token store would (SFT rows through the chat template); the corpus
-  itself is tokenized at launch, not here (that can take hours on a large corpus);
+  and tokenized as the token store would (SFT rows through the chat template), and a text
+  corpus read on until it fills one window of ``training.seq_len`` (a launch refuses one that
+  cannot); the corpus itself is tokenized at launch, not here (that can take hours);
 * the memory estimate (``metrics/memory_estimate.py``) against the device memory: this
   machine's GPU, ``--device-memory-gib``, or on a machine without a GPU an 80 GiB H100
   (``DEFAULT_DEVICE_GIB``, as ``scripts/estimate_memory.py``). A launch only warns when the
@@ -38,10 +41,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from titan_ulysses.checkpoint.folders import output_folder_problem
+from titan_ulysses.checkpoint.folders import output_folders_problem
 from titan_ulysses.checkpoint.hf import check_hf_weights
 from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
 from titan_ulysses.checkpoint.manager import complete_steps
+from titan_ulysses.checkpoint.verify import ALL
 from titan_ulysses.checkpoint.weight_source import (
     adopt_start_record,
     damaged_checkpoints,
@@ -50,7 +54,7 @@ from titan_ulysses.checkpoint.weight_source import (
 )
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError, check_config, check_requirements, resolved_global_batch_size
-from titan_ulysses.data.build import check_dataset_files
+from titan_ulysses.data.build import check_dataset_files, fewer_than_one_window
 from titan_ulysses.data.datasets import PasskeyDataset
 from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.data.sharding import check_seq_len
@@ -63,6 +67,7 @@ from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.staged_attention import check_head_stages
 from titan_ulysses.distributed.ulysses import check_heads
 from titan_ulysses.metrics.memory_estimate import GIB, estimate
+from titan_ulysses.metrics.loggers.wandb_logger import login_problem
 from titan_ulysses.metrics.memory_fit import from_config, memory_warning
 from titan_ulysses.models.hf_config import describe
 from titan_ulysses.models.registry import check_compute
@@ -83,7 +88,8 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     try:
         dims = ParallelDims(
             dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            cp=p.context_parallel_degree, sp=p.ulysses_degree, tp=p.tensor_parallel_degree, world_size=world_size,
+            cp=p.context_parallel_degree, sp=p.ulysses_degree, tp=p.tensor_parallel_degree,
+            ep=p.expert_parallel_degree, world_size=world_size,
         )
     except ValueError as e:
         raise ConfigError(f"parallelism: {e}") from e
@@ -152,7 +158,12 @@ def check_files(config: JobConfig) -> None:
             raise ConfigError(f"model.{'tokenizer_path' if m.tokenizer_path else 'hf_assets_path'}: {e}") from e
     # the file read whole (a broken tokenizer.json, no EOS, a garbage tiktoken file) and its ids
     # against the model's vocabulary, before any process group (issue 20)
-    model_args(config, load_tokenizer(config).vocab_size)
+    tokenizer = load_tokenizer(config)
+    model_args(config, tokenizer.vocab_size)
+    if any(kind == "sft" for _, kind, _ in _datasets(config)):  # the chat template parses (a DataError naming it)
+        from titan_ulysses.data.chat import load_chat_template
+
+        load_chat_template(config.training.chat_template, tokenizer)
     if hf_weights_wanted(config):
         try:
             check_hf_weights(m.hf_assets_path, args)
@@ -179,7 +190,7 @@ def check_launch(config: JobConfig) -> tuple[ParallelDims, str | None]:
     check_dataset_files(config)
     dims = validate(config, world_size)
     check_files(config)
-    problem = output_folder_problem("job.dump_folder", config.job.dump_folder)
+    problem = output_folders_problem(config)
     if problem:
         raise ConfigError(problem)
     return dims, note
@@ -229,9 +240,14 @@ def load_tokenizer(config: JobConfig):
 
 def plan(config: JobConfig, world_size: int, device_gib: float | None = None) -> str:
     """Every pre-launch check for ``world_size`` ranks; the plan as text, or a ConfigError / DataError."""
-    record_note = adopt_start_record(config)  # as the trainer: the start checkpoint may give the architecture
+    # as the trainer: the start checkpoint may give the architecture; verified whole here (one process)
+    record_note = adopt_start_record(config, shards=ALL)
     dims = validate(config, world_size)
     check_files(config)
+    # what a launch finds out only once started: the output folders, a W&B login (wandb.init)
+    problem = output_folders_problem(config) or (login_problem() if config.metrics.enable_wandb else None)
+    if problem:
+        raise ConfigError(problem)
     tokenizer = load_tokenizer(config)
     args = model_args(config, tokenizer.vocab_size)
     m = config.model
@@ -281,24 +297,41 @@ def _data(config: JobConfig, tokenizer, kind: str, path: str, name: str) -> str:
     files = list_files(path, key)
     size = sum(os.path.getsize(f) for f in files)
     encode = _encoder(config, tokenizer, kind)
-    lengths = []
-    for item in work_items(files):
-        for where, row in read_rows(item):
-            ids, _ = encode(where, row)
+    lengths, window = [], _Window(t, kind)
+    for where, row in (pair for item in work_items(files) for pair in read_rows(item)):
+        ids, _ = encode(where, row)
+        if len(lengths) < SAMPLE_ROWS:
             if kind == "sft" and len(ids) > t.seq_len and t.overlong_samples == "error":
                 raise DataError(f"{where}: an SFT sample of {len(ids)} tokens is longer than training.seq_len "
                                 f"{t.seq_len}; set training.overlong_samples to 'truncate' or 'drop'")
             lengths.append(len(ids))
-            if len(lengths) == SAMPLE_ROWS:
-                break
-        if len(lengths) == SAMPLE_ROWS:
+        if window.add(len(ids)) and len(lengths) == SAMPLE_ROWS:
             break
     if not lengths:
         raise DataError(f"{key} {path!r} holds no documents (empty file?)")
+    if not window.filled():
+        raise DataError(fewer_than_one_window(path, window.tokens, t))
     rows = "packed into windows with document masks" if t.packing else "one per window"
     return (f"{name} data: {kind} {path}: {len(files)} file(s), {size / 2**20:.1f} MiB; first {len(lengths)} rows "
             f"tokenize to {sum(lengths)} tokens (longest {max(lengths)}), {rows} of {t.seq_len}; "
             f"the corpus is tokenized at launch into {t.dataset_cache_dir or 'a .titan_cache folder beside it'}")
+
+
+class _Window:
+    """Whether the rows read so far fill one window, as the launch's text datasets count (``data/windows.py``):
+    ``seq_len`` tokens of kept documents when packing, else one kept document. SFT has refusals of its own."""
+
+    def __init__(self, training, kind: str):
+        self.t, self.kind, self.tokens, self.kept, self.docs = training, kind, 0, 0, 0
+
+    def add(self, n: int) -> bool:
+        self.tokens += n
+        if n >= self.t.min_document_tokens:
+            self.kept, self.docs = self.kept + n, self.docs + 1
+        return self.filled()
+
+    def filled(self) -> bool:
+        return self.kind != "text" or (self.kept >= self.t.seq_len if self.t.packing else self.docs > 0)
 
 
 def _encoder(config: JobConfig, tokenizer, kind: str):

@@ -1,5 +1,5 @@
-"""Output folders a run writes into (``job.dump_folder``): refused before any process group
-when they cannot be folders, instead of a traceback from ``os.makedirs`` later."""
+"""Output folders a run writes into (``job.dump_folder``, its ``tb`` folder): refused before any
+process group when they cannot be folders, instead of a traceback from ``os.makedirs`` later."""
 
 from __future__ import annotations
 
@@ -23,3 +23,13 @@ def output_folder_problem(key: str, path: str) -> str | None:
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{key} {path!r}: {probe} is not writable by this user; name a folder you can write"
     return None
+
+
+def output_folders_problem(config) -> str | None:
+    """``job.dump_folder``, and with ``metrics.enable_tensorboard`` its ``tb`` folder, as folders a run can write."""
+    dump = config.job.dump_folder
+    problem = output_folder_problem("job.dump_folder", dump)
+    if problem or not config.metrics.enable_tensorboard:
+        return problem
+    problem = output_folder_problem("its tensorboard folder", os.path.join(dump, "tb"))
+    return f"metrics.enable_tensorboard: {problem}; or set metrics.enable_tensorboard false" if problem else None

@@ -11,13 +11,11 @@ qkv_proj, gate_up_proj) are read whole into a plain buffer, one tensor at a time
 plan, split and permuted into our layout and re-sliced locally: the transient peak is one
 full fused projection per such tensor, not the model.
 
-Export (the other direction) lives in ``hf_export.py``.
+What must hold before (dtypes, no tensor left unused, the index's files) is checked in
+``hf_check.py`` by the pre-flight; export (the other direction) lives in ``hf_export.py``.
 """
 
 from __future__ import annotations
-
-import glob
-import os
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,60 +24,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_ulysses.checkpoint.hf_adapter import (  # noqa: F401 (interleaved_to_halves: public here since export)
-    expected_hf_shapes,
     halves_to_interleaved,
     hf_tensors,
     interleaved_to_halves,
     split,
     theirs_to_ours,
 )
+from titan_ulysses.checkpoint.hf_check import check_hf_weights  # noqa: F401 (public here: what the loader needs)
 from titan_ulysses.checkpoint.hf_export import export_hf, hf_config, read_model_weights  # noqa: F401
-from titan_ulysses.models.llama.args import LlamaArgs
-
-
-def safetensors_shapes(folder: str) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in the folder's ``*.safetensors`` (headers only, no data read)."""
-    from safetensors import safe_open
-
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"{folder!r} has no *.safetensors weights")
-    shapes = {}
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    shapes[key] = tuple(f.get_slice(key).get_shape())
-        except Exception as e:  # SafetensorError (a truncated or garbled file) subclasses Exception only
-            raise ValueError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e}; truncated "
-                             f"by an interrupted copy?); download or copy it again") from e
-    return shapes
-
-
-def _extra_layers(found: dict, n_layers: int) -> list[str]:
-    """Tensors of layers past ``n_layers`` (config.json says fewer layers than the weights hold)."""
-    import re
-
-    return sorted(k for k in found if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m[1]) >= n_layers)
-
-
-def check_hf_weights(folder: str, args: LlamaArgs) -> None:
-    """Refuse (ValueError, one line) weights that are missing or shaped unlike ``args`` (from config.json)."""
-    found = safetensors_shapes(folder)
-    expected = expected_hf_shapes(args)
-    missing = sorted(set(expected) - set(found))
-    if missing:
-        raise ValueError(f"{len(missing)} tensor(s) that config.json implies are not in the safetensors files, "
-                         f"e.g. {missing[0]!r}")
-    extra = _extra_layers(found, args.n_layers)
-    if extra:
-        raise ValueError(f"the safetensors files hold {len(extra)} tensor(s) of layers past config.json's "
-                         f"num_hidden_layers {args.n_layers}, e.g. {extra[0]!r}: config.json does not describe "
-                         f"these weights; fix num_hidden_layers")
-    for name, shape in expected.items():
-        if found[name] != shape:
-            raise ValueError(f"{name!r} has shape {list(found[name])} in the safetensors files but "
-                             f"{list(shape)} by config.json")
 
 
 def _place_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

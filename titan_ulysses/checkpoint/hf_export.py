@@ -24,8 +24,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_ulysses.checkpoint.hf_adapter import hf_tensors, join, our_shapes, ours_to_theirs
+from titan_ulysses.checkpoint.hf_check import weights_dtype
 from titan_ulysses.checkpoint.lora_export import merge, pop_adapters, scaling_of
 from titan_ulysses.checkpoint.steps import missing_checkpoint
+from titan_ulysses.checkpoint.verify import verify_checkpoint
 from titan_ulysses.models.families.common import rope_config
 from titan_ulysses.models.llama.args import LlamaArgs, RopeScaling
 from titan_ulysses.models.registry import get_family
@@ -49,6 +51,9 @@ def write_model_record(step_dir: str, args: LlamaArgs, hf_assets_path: str = "",
     if seq_len:
         record["seq_len"] = seq_len
     if hf_assets_path:
+        dtype = _source_weights_dtype(hf_assets_path)
+        if dtype:
+            record["weights_dtype"] = dtype
         os.makedirs(os.path.join(step_dir, ASSETS), exist_ok=True)
         for name in sorted(os.listdir(hf_assets_path)):
             src = os.path.join(hf_assets_path, name)
@@ -60,22 +65,34 @@ def write_model_record(step_dir: str, args: LlamaArgs, hf_assets_path: str = "",
         json.dump(record, f, indent=2)
 
 
-def recorded_seq_len(step_dir: str) -> int:
-    """The training length a checkpoint's record names (0: none recorded)."""
-    path = os.path.join(step_dir, RECORD)
-    if not os.path.isfile(path):
-        return 0
-    with open(path) as f:
-        return int(json.load(f).get("seq_len", 0))
+def _source_weights_dtype(hf_assets_path: str) -> str | None:
+    """The dtype of the source folder's safetensors (its headers); for a start checkpoint's ``hf_assets/``
+    (context extension), the one that checkpoint recorded; None when neither says."""
+    dtype = weights_dtype(hf_assets_path)
+    folder = os.path.normpath(hf_assets_path)
+    if dtype is None and os.path.basename(folder) == ASSETS:
+        dtype = (_read_record(os.path.dirname(folder)) or {}).get("weights_dtype")
+    return dtype
 
 
-def read_model_record(step_dir: str) -> tuple[LlamaArgs, dict | None] | None:
-    """(args, source config.json or None) recorded in a checkpoint; None for checkpoints without a record."""
+def _read_record(step_dir: str) -> dict | None:
     path = os.path.join(step_dir, RECORD)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        record = json.load(f)
+        return json.load(f)
+
+
+def recorded_seq_len(step_dir: str) -> int:
+    """The training length a checkpoint's record names (0: none recorded)."""
+    return int((_read_record(step_dir) or {}).get("seq_len", 0))
+
+
+def read_model_record(step_dir: str) -> tuple[LlamaArgs, dict | None] | None:
+    """(args, source config.json or None) recorded in a checkpoint; None for checkpoints without a record."""
+    record = _read_record(step_dir)
+    if record is None:
+        return None
     fields = {k: v for k, v in record["args"].items() if k not in _RUNTIME_FIELDS}  # older records kept them
     for key in ("rope_scaling", "local_rope_scaling"):
         if fields.get(key) is not None:
@@ -212,20 +229,30 @@ def read_model_weights(checkpoint_dir: str, names: list[str] | None = None) -> d
     return model
 
 
-def source_dtype(checkpoint_dir: str) -> torch.dtype:
-    """The dtype an export writes by default: the one the weights came in.
+def source_dtype(checkpoint_dir: str) -> tuple[torch.dtype, str]:
+    """The dtype an export writes by default (the one the weights came in), and where it comes from.
 
-    A run started from a Hugging Face folder: that folder's config.json ``dtype`` /
-    ``torch_dtype`` (recorded in ``model_args.json``). A run from scratch (or a source that
-    names none): the dtype of the parameters as saved.
+    A run started from a Hugging Face folder: the dtype of that folder's safetensors, recorded in
+    ``model_args.json`` (``weights_dtype``). Its config.json's ``dtype`` / ``torch_dtype`` is only a
+    claim (one said bfloat16 over F32 files, and the export downcast them), so it never decides; when
+    it disagrees, the reason says so. A run from scratch, or a checkpoint recorded before
+    ``weights_dtype`` existed: the dtype of the parameters as saved.
     """
-    record = read_model_record(checkpoint_dir)
-    hf = (record[1] or {}) if record else {}
-    name = hf.get("dtype") or hf.get("torch_dtype")
-    if isinstance(name, str) and isinstance(getattr(torch, name.removeprefix("torch."), None), torch.dtype):
-        return getattr(torch, name.removeprefix("torch."))
-    dtypes = {m.properties.dtype for m in _model_metadata(checkpoint_dir).values()}
-    return max(dtypes, key=lambda d: d.itemsize)  # mixed (none today): the widest
+    record = _read_record(checkpoint_dir) or {}
+    hf = record.get("hf_config") or {}
+    recorded = record.get("weights_dtype")
+    if isinstance(recorded, str) and isinstance(getattr(torch, recorded, None), torch.dtype):
+        dtype, why = getattr(torch, recorded), "the dtype of the source weights"
+    else:
+        dtypes = {m.properties.dtype for m in _model_metadata(checkpoint_dir).values()}
+        dtype = max(dtypes, key=lambda d: d.itemsize)  # mixed (none today): the widest
+        why = "the dtype of the saved parameters"
+        if hf:
+            why += " (the checkpoint does not record its source weights' dtype)"
+    claimed = hf.get("dtype") or hf.get("torch_dtype")
+    if isinstance(claimed, str) and claimed.removeprefix("torch.") != str(dtype).removeprefix("torch."):
+        why += f"; the source config.json says {claimed.removeprefix('torch.')} (--dtype writes another)"
+    return dtype, why
 
 
 def _plan_shards(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
@@ -243,13 +270,15 @@ def export_hf(checkpoint_dir: str, args: LlamaArgs | None, output_dir: str, dtyp
               max_position_embeddings: int = 131072, max_shard_size: int = 5 * 2**30) -> list[str]:
     """Write a Hugging Face folder for ``checkpoint_dir``; ``args`` None reads them from its record.
 
-    ``dtype`` None writes the dtype the weights came in (``source_dtype``). Returns the names of
+    ``dtype`` None writes the dtype the weights came in (``source_dtype``). Verifies the checkpoint
+    against its manifest before reading anything (``verify.py``). Returns the names of
     the files written.
     """
     from safetensors.torch import save_file
 
+    verify_checkpoint(checkpoint_dir, "--checkpoint")  # nothing is read from a checkpoint that fails it
     if dtype is None:
-        dtype = source_dtype(checkpoint_dir)
+        dtype = source_dtype(checkpoint_dir)[0]
 
     record = read_model_record(checkpoint_dir)
     base = None

@@ -77,7 +77,9 @@ def export_peft_adapter(checkpoint_dir: str, output_dir: str, base_model: str = 
 
     from titan_ulysses.checkpoint.hf_adapter import hf_tensors, ours_to_theirs
     from titan_ulysses.checkpoint.hf_export import _model_metadata, read_model_record, read_model_weights
+    from titan_ulysses.checkpoint.verify import verify_checkpoint
 
+    verify_checkpoint(checkpoint_dir, "--checkpoint")  # it exists and matches its manifest, before any read
     record = read_lora_record(checkpoint_dir)
     model_record = read_model_record(checkpoint_dir)
     if record is None or model_record is None:

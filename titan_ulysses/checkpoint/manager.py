@@ -8,7 +8,8 @@ save therefore never leaves a half checkpoint that resume would pick, and never 
 last good one. Weights or optimizer state holding NaN/inf are never saved (``safety.py``).
 
 Resume (``load()``) takes the newest checkpoint that passes verification (every file there,
-with its size and checksum) and loads; one that fails either is renamed to ``step-N.bad``
+with its size and checksum: ``verify.py``, the one check every reader of a checkpoint makes,
+here with each rank checksumming a share) and loads; one that fails either is renamed to ``step-N.bad``
 with a warning naming the file and why, and the previous one is tried. At start-up
 leftover ``step-N.tmp`` folders are removed and ``step-N`` folders without ``.metadata``
 are set aside, so nothing stale blocks a later save.
@@ -50,6 +51,7 @@ from titan_ulysses.checkpoint.safety import explain_save_error, nonfinite_tensor
 from titan_ulysses.checkpoint.state import training_state
 from titan_ulysses.checkpoint.steps import STEP_DIR as _STEP_DIR
 from titan_ulysses.checkpoint.steps import complete_steps, missing_checkpoint  # noqa: F401 (public here)
+from titan_ulysses.checkpoint.verify import UntrustedCheckpointError, checkpoint_problem, untrusted
 from titan_ulysses.data.sources import DataError
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
@@ -74,8 +76,8 @@ def _publish(tmp: str, final: str) -> None:
         os.close(fd)
 
 
-def _check(path: str) -> None:
-    reason = missing_checkpoint(path)
+def _check(path: str, setting: str = "checkpoint.initial_load_path") -> None:
+    reason = missing_checkpoint(path, setting)
     if reason:
         raise FileNotFoundError(reason)
 
@@ -301,25 +303,11 @@ class CheckpointManager:
                     _warn(f"{path} has no .metadata (an incomplete checkpoint); moved aside to {set_aside(path)}")
         self._barrier()
 
-    def verify(self, path: str) -> str | None:
-        """Why ``path`` fails verification against its manifest, or None. Collective: each rank
-        checksums a share of the files, every rank gets the same answer."""
-        first = None
-        if self.rank == 0:
-            try:
-                files = manifest.read_manifest(path)
-                if files is None:  # every commit writes one: a step without it cannot be trusted (issue 20)
-                    first = (f"{path} has no {manifest.MANIFEST}, so it cannot be verified (DCP would load changed "
-                             f"bytes silently); every checkpoint is committed with one")
-                else:
-                    first = manifest.check_sizes(path, files)
-            except ValueError as e:
-                files, first = None, str(e)
-        first, files = self._from_rank0((first, files) if self.rank == 0 else None)
-        if first or not files:
-            return first
-        mine = manifest.share(sorted(files), dist.get_rank(self._pg), self._world())
-        return next((r for r in self._gather(manifest.check_sums(path, mine, files)) if r), None)
+    def verify(self, path: str, setting: str = "the checkpoint") -> str | None:
+        """Why ``path`` fails verification against its manifest (``verify.py``), or None. Collective:
+        each rank checksums a share of the shards, every rank gets the same answer."""
+        share = (dist.get_rank(self._pg), self._world())
+        return next((r for r in self._gather(checkpoint_problem(path, setting, share)) if r), None)
 
     def load(self, step: int = -1) -> int:
         """Resume: load the newest good checkpoint of this run (or the given step); the step, or 0.
@@ -330,15 +318,12 @@ class CheckpointManager:
         self.wait()
         if step != -1:
             path = self._dir(step)
-            reason = missing_checkpoint(path, "the resume step")
-            if reason:
-                raise FileNotFoundError(reason)
-            return self.load_from(path)
+            return self.load_from(path, "the resume step")
         self._clean_up()
         touched = None  # a checkpoint whose failed load may have changed the state in memory
         for step in reversed(complete_steps(self.folder)):
             path = self._dir(step)
-            reason = self.verify(path)
+            reason = self.verify(path, "the resume")
             if reason is None:
                 try:
                     loaded = self._load_full(path)
@@ -363,12 +348,16 @@ class CheckpointManager:
             )
         return 0
 
-    def load_from(self, path: str) -> int:
-        """Load the full training state from a ``step-N`` folder (any layout); returns its step."""
-        _check(path)
-        reason = self.verify(path)
+    def _verified(self, path: str, setting: str) -> None:
+        """Raise (on every rank) unless ``path`` is a complete checkpoint that passes verification."""
+        _check(path, setting)
+        reason = self.verify(path, setting)
         if reason:
-            raise ValueError(f"checkpoint {path} fails verification: {reason}")
+            raise UntrustedCheckpointError(untrusted(path, setting, reason))
+
+    def load_from(self, path: str, setting: str = "checkpoint.initial_load_path") -> int:
+        """Load the full training state from a ``step-N`` folder (any layout); returns its step."""
+        self._verified(path, setting)
         return self._load_full(path)
 
     def _load_full(self, path: str) -> int:
@@ -387,11 +376,8 @@ class CheckpointManager:
         self._last_saved = step
         return step
 
-    def load_model_only(self, path: str) -> None:
+    def load_model_only(self, path: str, setting: str = "checkpoint.initial_load_path") -> None:
         """Load only the weights (start a new run from another run's model, e.g. context extension)."""
-        _check(path)
-        reason = self.verify(path)
-        if reason:
-            raise ValueError(f"checkpoint {path} fails verification: {reason}")
+        self._verified(path, setting)
         planner = model_only_planner(self.model, path)  # LoRA: a base checkpoint has no adapters
         dcp.load(self._state(model_only=True), checkpoint_id=path, process_group=self._pg, planner=planner)

@@ -38,8 +38,13 @@ def checksum(path: str) -> dict:
 
 
 def data_files(folder: str) -> list[str]:
-    """The files of a written checkpoint that the manifest covers, sorted."""
-    return sorted(name for name in os.listdir(folder) if name != MANIFEST and os.path.isfile(os.path.join(folder, name)))
+    """The files of a written checkpoint that the manifest covers, sorted: every file but the
+    manifest, those of subfolders (``hf_assets/``, which an export copies) by relative path."""
+    found = []
+    for root, _, names in os.walk(folder):
+        rel = os.path.relpath(root, folder)
+        found += [name if rel == "." else os.path.join(rel, name) for name in names]
+    return sorted(name for name in found if name != MANIFEST)
 
 
 def share(names: list[str], rank: int, world: int) -> list[str]:

@@ -85,8 +85,13 @@ def fresh_source(config) -> WeightSource:
     return WeightSource("random", seed=config.training.seed)
 
 
-def adopt_start_record(config) -> str | None:
-    """Take the architecture of a ``checkpoint.initial_load_path`` from the checkpoint's own record.
+def adopt_start_record(config, shards: tuple[int, int] | None = None) -> str | None:
+    """Verify a ``checkpoint.initial_load_path`` and take its architecture from its own record.
+
+    The first reader of the start checkpoint, so it verifies it (``verify.py``) before anything
+    reads it: its small files here (``shards`` None: a launch's ranks checksum the shards together
+    at the load), or everything (``shards`` ``verify.ALL``: the dry run, one process). A path that is
+    not a complete checkpoint is left to ``preflight.check_files``, which names the steps there.
 
     A checkpoint of a run started from a Hugging Face folder carries that folder's config.json
     and tokenizer files (``hf_assets/``): without ``model.hf_assets_path``, the run uses them
@@ -95,9 +100,14 @@ def adopt_start_record(config) -> str | None:
     ``model.flavor``; a mismatch is refused by the shape check, naming the flavor recorded.
     """
     from titan_ulysses.checkpoint.hf_export import ASSETS
+    from titan_ulysses.checkpoint.steps import missing_checkpoint
+    from titan_ulysses.checkpoint.verify import verify_checkpoint
 
     c, m = config.checkpoint, config.model
-    if not c.initial_load_path or m.hf_assets_path:
+    if not c.initial_load_path or missing_checkpoint(c.initial_load_path):
+        return None
+    verify_checkpoint(c.initial_load_path, "checkpoint.initial_load_path", shards)
+    if m.hf_assets_path:
         return None
     assets = os.path.join(c.initial_load_path, ASSETS)
     if not os.path.isfile(os.path.join(assets, "config.json")):

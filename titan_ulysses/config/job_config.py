@@ -71,6 +71,11 @@ class Parallelism:
     """Ranks each sequence is split over (Ulysses sequence parallelism)."""
     tensor_parallel_degree: int = 1
     """Ranks heads and MLP columns are split over."""
+    expert_parallel_degree: int = 1
+    """Ranks a mixture-of-experts model's experts are split over (torchtitan's name). Borrowed from
+    data_parallel_shard_degree x context_parallel_degree x ulysses_degree (innermost ranks first), so
+    ulysses_degree 8 with expert_parallel_degree 8 is one node; tokens go to their experts' ranks by
+    an all-to-all. Must divide that product and the number of experts."""
     ulysses_head_stages: int = 1
     """Attention in this many stages of head groups, each projected, exchanged and attended in turn,
     so one stage's full-sequence q/k/v/out are alive at a time (1 = off; must divide the q heads

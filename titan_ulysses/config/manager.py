@@ -11,7 +11,7 @@ try:
 except ImportError:  # Python < 3.11
     import tomli as tomllib
 
-from titan_ulysses.config.job_config import CHOICES, JobConfig, parse_lora_targets
+from titan_ulysses.config.job_config import CHOICES, JobConfig, LoRA, parse_lora_targets
 from titan_ulysses.config.metrics_settings import check_metrics
 from titan_ulysses.config.ranges import check_ranges
 
@@ -154,6 +154,16 @@ def _check_lora(config: JobConfig) -> None:
         targets = parse_lora_targets(lora.target_modules)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    if lora.rank == 0:  # off: a full fine-tune, which the other [lora] settings would silently not describe
+        default = LoRA()
+        given = [f"lora.{name} {getattr(lora, name)!r}" for name in ("alpha", "dropout") if getattr(lora, name)
+                 != getattr(default, name)]
+        if targets != parse_lora_targets(default.target_modules):
+            given.append(f"lora.target_modules {lora.target_modules!r}")
+        if given:
+            raise ConfigError(f"lora.rank 0 turns LoRA off (a full fine-tune of every weight), yet {', '.join(given)} "
+                              f"{'is' if len(given) == 1 else 'are'} set; set lora.rank > 0 to train adapters, or "
+                              f"remove the other [lora] settings for a full fine-tune")
     mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
     if lora.rank > 0 and lora.dropout > 0 and config.model.mlp_tile_size > 0 and mlp:
         raise ConfigError(

@@ -61,6 +61,7 @@ RANGES: dict[str, tuple] = {
 EXEMPT = {
     "parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
     "parallelism.ulysses_degree", "parallelism.tensor_parallel_degree", "parallelism.context_parallel_degree",
+    "parallelism.expert_parallel_degree",
     "training.global_batch_size",  # -1 or a positive multiple of local batch x dp (validate)
 }
 
@@ -73,13 +74,18 @@ def describe(low, high, low_inc: bool, high_inc: bool) -> str:
     return f"{'[' if low_inc else '('}{low}, {high}{']' if high_inc else ')'}"
 
 
-def out_of_range(key: str, value) -> str | None:
-    """The refusal for ``key = value``, or None when the value is in range."""
+def out_of_range(key: str, value, bounds: tuple | None = None) -> str | None:
+    """The refusal for ``key = value``, or None when the value is in range.
+
+    ``bounds`` is a ``RANGES`` row (default: ``RANGES[key]``); config.json's table
+    (``models/hf_ranges.py``) passes its own.
+    """
     if isinstance(value, float) and not math.isfinite(value):
         return f"{key} must be a finite number, got {value}"
-    if key not in RANGES:
+    bounds = bounds or RANGES.get(key)
+    if bounds is None:
         return None
-    low, high, low_inc, high_inc = RANGES[key]
+    low, high, low_inc, high_inc = bounds
     ok = (value >= low if low_inc else value > low) if low is not None else True
     if high is not None:
         ok = ok and (value <= high if high_inc else value < high)

@@ -92,6 +92,12 @@ def open_store(kind: str, path: str, tokenizer, config: JobConfig, group=None, r
     return store
 
 
+def fewer_than_one_window(path: str, n_tokens: int, training) -> str:
+    """The refusal of a text corpus that fills no window (at launch, and in the dry run's read of it)."""
+    return (f"{path!r} holds {n_tokens} tokens in documents of at least training.min_document_tokens = "
+            f"{training.min_document_tokens}: fewer than one window of training.seq_len = {training.seq_len}")
+
+
 def build_dataset(kind: str, path: str, tokenizer, config: JobConfig, seed: int, group=None, rank=0, world=1):
     t = config.training
     if kind == "passkey":
@@ -102,9 +108,7 @@ def build_dataset(kind: str, path: str, tokenizer, config: JobConfig, seed: int,
         cls = StreamWindows if t.packing else DocumentWindows
         ds = cls(store, t.seq_len, seed, t.shuffle, pad, t.min_document_tokens)
         if len(ds) == 0:
-            raise DataError(f"{path!r} holds {store.n_tokens} tokens in documents of at least "
-                            f"training.min_document_tokens = {t.min_document_tokens}: fewer than one "
-                            f"window of training.seq_len = {t.seq_len}")
+            raise DataError(fewer_than_one_window(path, store.n_tokens, t))
         return ds
     lengths = store.lengths()
     docs = np.arange(store.n_docs)

@@ -54,6 +54,7 @@ class ChatTemplate:
         self.special_tokens = special_tokens or {}
         self.has_generation_tags = bool(re.search(r"\{%-?\s*generation\s*-?%\}", source))
         self._compiled = None
+        self._jinja()  # a template that does not parse is refused here, naming its file and line, not per row
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, where="") -> str:
         try:
@@ -93,30 +94,64 @@ class ChatTemplate:
     def _jinja(self):
         if self._compiled is None:
             import jinja2
+            import jinja2.ext  # not imported by ``import jinja2``
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             def raise_exception(message):
                 raise jinja2.exceptions.TemplateError(message)
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[jinja2.ext.loopcontrols])
+                                                extensions=[jinja2.ext.loopcontrols, _generation_tag()])
             env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
             env.globals["raise_exception"] = raise_exception
-            self._compiled = env.from_string(self.source)
+            try:
+                self._compiled = env.from_string(self.source)
+            except jinja2.exceptions.TemplateSyntaxError as e:
+                where = f"{self.origin}'s chat_template" if self.origin.endswith(".json") else self.origin
+                raise DataError(f"{where or 'the chat template'} line {e.lineno}: the template does not parse "
+                                f"(TemplateSyntaxError: {e.message}); fix the template, or name another with "
+                                f"training.chat_template") from e
         return self._compiled
+
+
+def _generation_tag():
+    """``{% generation %}...{% endgeneration %}`` (transformers' marker of assistant output) as a plain
+    block, so that templates using it parse here; transformers renders them itself."""
+    import jinja2.nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    return Generation
+
+
+def _read_config(path: str) -> dict:
+    """A tokenizer_config.json; one that is not a JSON object is refused naming it (and the line)."""
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path} is not valid JSON ({e}); copy it again from the model's folder") from e
+    if not isinstance(cfg, dict):
+        raise DataError(f"{path} holds a JSON {type(cfg).__name__}, not an object; copy it again from the model's folder")
+    return cfg
 
 
 def _special_tokens(path: str) -> dict[str, str]:
     """bos_token, eos_token, ... of a tokenizer_config.json: the variables templates use."""
-    with open(path) as f:
-        cfg = json.load(f)
+    cfg = _read_config(path)
     special = {k: _token_string(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
     return {k: v for k, v in special.items() if v is not None}
 
 
 def _from_tokenizer_config(path: str) -> ChatTemplate | None:
-    with open(path) as f:
-        template = json.load(f).get("chat_template")
+    template = _read_config(path).get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if not template:

@@ -1,7 +1,7 @@
 """Rows -> token ids (and, for SFT, which tokens carry loss), as the token store stores them.
 
 Pretraining text: ``{"text": ...}`` rows (jsonl, parquet) or whole ``.txt`` files, each
-encoded with BOS and EOS.
+encoded with BOS and EOS; a long one in bounded pieces with the same ids (``long_documents.py``).
 
 SFT, one sample per row, as TRL's SFTTrainer reads them:
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from titan_ulysses.data.chat import ChatTemplate, assistant_spans
-from titan_ulysses.data.sources import DataError, text_field
+from titan_ulysses.data.long_documents import encode_document
+from titan_ulysses.data.sources import DataError, kind_of, text_field
 
 
 class TextEncoder:
@@ -26,7 +27,7 @@ class TextEncoder:
         self.tokenizer = tokenizer
 
     def __call__(self, where, row):
-        return self.tokenizer.encode(text_field(where, row)), None
+        return encode_document(self.tokenizer, text_field(where, row), where), None
 
 
 def _text_parts(content) -> bool:
@@ -50,8 +51,9 @@ class SFTEncoder:
     def __init__(self, tokenizer, template: ChatTemplate):
         self.tokenizer, self.template = tokenizer, template
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, False, False))
+    def _encode(self, text: str, where) -> list[int]:
+        ids = encode_document(self.tokenizer, text, where, False, False)
+        return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
 
     def __call__(self, where, row):
         if isinstance(row, str):
@@ -62,8 +64,10 @@ class SFTEncoder:
             return self._chat(where, row["messages"], 0)
         if "prompt" not in row or "completion" not in row:
             missing = "completion" if "prompt" in row else "prompt"
+            hint = ("; a 'text' row is pretraining text: set the dataset of this file (training. or "
+                    "validation.dataset) to 'text'") if "text" in row and "prompt" not in row else ""
             raise DataError(f"{where}: field {missing!r} is missing; an SFT row needs 'prompt' and 'completion', "
-                            f"or 'messages' (fields found: {sorted(row)})")
+                            f"or 'messages' (fields found: {sorted(row)}){hint}")
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, list) and isinstance(completion, list):
             _check_messages(where, prompt, "prompt")
@@ -71,11 +75,11 @@ class SFTEncoder:
             return self._chat(where, prompt + completion, len(prompt))
         for field, value in (("prompt", prompt), ("completion", completion)):
             if not isinstance(value, str):
-                raise DataError(f"{where}: field {field!r} is a {type(value).__name__}; "
+                raise DataError(f"{where}: field {field!r} is {kind_of(value)}; "
                                 f"a string (or, for both fields, a list of messages) is expected")
         tok = self.tokenizer
-        p = ([tok.bos_id] if tok.bos_id is not None else []) + self._encode(prompt)  # Qwen has no BOS
-        c = self._encode(completion) + [tok.eos_id]
+        p = ([tok.bos_id] if tok.bos_id is not None else []) + self._encode(prompt, where)  # Qwen has no BOS
+        c = self._encode(completion, where) + [tok.eos_id]
         return p + c, [0] * len(p) + [1] * len(c)
 
     def _chat(self, where, messages, first: int):
@@ -86,12 +90,12 @@ class SFTEncoder:
         for start, end in spans:
             for piece, flag in ((text[cursor:start], 0), (text[start:end], 1)):
                 if piece:
-                    out = self._encode(piece)
+                    out = self._encode(piece, where)
                     ids += out
                     mask += [flag] * len(out)
             cursor = end
         if cursor < len(text):
-            out = self._encode(text[cursor:])
+            out = self._encode(text[cursor:], where)
             ids += out
             mask += [0] * len(out)
         return np.asarray(ids), np.asarray(mask, dtype=np.uint8)

@@ -144,7 +144,15 @@ def text_field(where, row, field: str = "text") -> str:
         return row
     value = row.get(field)
     if not isinstance(value, str):
-        found = "missing" if value is None else f"a {type(value).__name__}"
+        found = "missing" if field not in row else kind_of(value)
+        sft = field not in row and ("messages" in row or {"prompt", "completion"} <= set(row))
+        hint = "; these are SFT rows: set the dataset of this file (training. or validation.dataset) to 'sft'" \
+            if sft else ""
         raise DataError(f"{where}: field {field!r} is {found}; every row needs a string {field!r} "
-                        f"(fields found: {sorted(row)})")
+                        f"(fields found: {sorted(row)}){hint}")
     return value
+
+
+def kind_of(value) -> str:
+    """How a row's value is named in a refusal: JSON's ``null``, else the Python type (``a list``)."""
+    return "null" if value is None else f"a {type(value).__name__}"

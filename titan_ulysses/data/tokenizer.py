@@ -37,6 +37,7 @@ class ByteTokenizer:
     vocab_size = BYTE_VOCAB_SIZE
     folder = ""  # no file: chat templates come from training.chat_template or ChatML
     special_tokens: dict = {}  # no token strings a chat template could emit
+    cut_rule = "any"  # a long text may be tokenized in pieces cut anywhere (data/long_documents.py)
 
     @property
     def fingerprint(self) -> str:
@@ -59,6 +60,8 @@ _NUM_SPECIAL = 256
 
 class TiktokenTokenizer:
     """BPE ranks from a Llama-3 ``tokenizer.model`` (base64 token, rank per line) + 256 special tokens."""
+
+    cut_rule = "space"  # Llama 3's regex, special tokens never matched in text (data/long_documents.py)
 
     def __init__(self, path: str):
         import tiktoken

@@ -126,10 +126,13 @@ class ContextParallelAttention(nn.Module):
         self.cp_rank = cp_mesh.get_local_rank()
         self.group = cp_mesh.get_group()
 
-    def forward(self, q, k, v, attention_mask=None, *, scale=None, window=0, softcap=0.0):
-        kw = dict(scale=scale, window=window, softcap=softcap)
+    def forward(self, q, k, v, attention_mask=None, *, scale=None, window=0, softcap=0.0, sinks=None):
+        kw = dict(scale=scale, window=window, softcap=softcap, **({} if sinks is None else {"sinks": sinks}))
         if self.cp == 1:
             return self.local_attention(q, k, v, attention_mask, **kw)
+        if sinks is not None and not (attention_mask is None or getattr(attention_mask, "dense", None) is not None):
+            raise ValueError("attention sinks under context parallelism need unpacked sequences or a dense mask; "
+                             "set training.packing false")
         local_len, hkv = k.shape[1], k.shape[2]
         kv = all_gather_seq(torch.cat([k, v], dim=2), self.group, self.cp)  # [B, S, 2 Hkv, D], cp ranks' order
         order = load_balanced_order(self.cp * local_len, self.cp, q.device)
@@ -141,7 +144,8 @@ class ContextParallelAttention(nn.Module):
         if isinstance(attention_mask, DocumentMask) and attention_mask.dense is not None:
             k, v = kv.split(hkv, dim=2)  # small lengths: one call, the dense mask by global indices
             mask = cp_mask(attention_mask, self.cp_rank, self.cp, local_len, q.device, window)
-            return self.local_attention(q, k, v, mask, scale=scale, softcap=softcap)
+            return self.local_attention(q, k, v, mask, scale=scale, softcap=softcap,
+                                        **({} if sinks is None else {"sinks": sinks}))
         # keys back in sequence order; my head chunk r and tail chunk 2cp-1-r each see the keys
         # up to their end (from the window's start), the causal diagonal aligned bottom-right
         kv = kv.index_select(1, torch.argsort(order))

@@ -50,6 +50,12 @@ FLATTENED = {
     "loss": ("dp_replicate", "dp_shard", "cp", "sp"),
 }
 
+# Borrowed dimensions: no ranks of their own, carved from the innermost ranks of a flattened
+# group; the rest of that group gets the second name. ``ep`` (expert parallelism) takes ``ep``
+# ranks of dp_shard x cp x sp (as torchtitan's does), so sp=8, ep=8 is one node: experts are
+# sharded over ``ep`` and FSDP shards them over ``efsdp`` (``ep_fsdp``: with HSDP's replicas).
+BORROWED = {"ep": ("fsdp_shard", "efsdp")}
+
 # Earlier names of flattened groups, kept for callers written before a dimension joined them.
 ALIASES = {"dp_shard_sp": "fsdp_shard"}
 
@@ -60,6 +66,7 @@ SETTING_NAMES = {
     "cp": "context_parallel_degree",
     "sp": "ulysses_degree",
     "tp": "tensor_parallel_degree",
+    "ep": "expert_parallel_degree",
 }
 
 # The one degree that may be -1 ("the ranks the others leave").
@@ -79,6 +86,9 @@ class ParallelDims:
     """Ulysses sequence-parallel degree: each sequence is split over this many ranks."""
     tp: int = 1
     """Tensor-parallel degree: attention heads and MLP columns are split over this many ranks."""
+    ep: int = 1
+    """Expert-parallel degree, borrowed from dp_shard x cp x sp (innermost): MoE experts are sharded
+    over this many ranks and tokens sent to them (``distributed/expert_parallel.py``)."""
     world_size: int = 1
     """Number of processes in the job."""
 
@@ -113,6 +123,13 @@ class ParallelDims:
                 f"(set {SETTING_NAMES[FILL_DIM]} = -1 to fill the rest automatically)"
             )
 
+        for dim, (group, _) in BORROWED.items():
+            n, degree = self.size(group), getattr(self, dim)
+            if degree < 1 or n % degree:
+                names = " x ".join(SETTING_NAMES[d] for d in FLATTENED[group])
+                raise ValueError(f"{SETTING_NAMES[dim]} {degree} must divide {names} = {n} (it borrows those ranks); "
+                                 f"use one of {[d for d in range(1, n + 1) if n % d == 0]}")
+
     @property
     def degrees(self) -> dict[str, int]:
         return {dim: getattr(self, dim) for dim in MESH_DIMS}
@@ -120,6 +137,9 @@ class ParallelDims:
     def size(self, flat_name: str) -> int:
         """Size of a mesh dimension or of a flattened mesh, without building anything."""
         flat_name = ALIASES.get(flat_name, flat_name)
+        for dim, (group, rest) in BORROWED.items():
+            if flat_name == rest:
+                return self.size(group) // getattr(self, dim)
         if flat_name in FLATTENED:
             return math.prod(getattr(self, d) for d in FLATTENED[flat_name])
         return getattr(self, flat_name)
@@ -131,6 +151,10 @@ class ParallelDims:
     @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -159,13 +183,21 @@ class ParallelDims:
             )
         else:
             meshes["fsdp"] = meshes["fsdp_shard"]
+        for dim, (group, rest) in BORROWED.items():
+            # the group's ranks as (rest, dim), dim innermost; unflattened from ``loss`` (dp_replicate
+            # outside the group) so that the weights' FSDP mesh can be HSDP's 2-D one too
+            shape = (self.dp_replicate, self.size(rest), getattr(self, dim))
+            split = meshes["loss"]._unflatten(0, shape, (f"{dim}_replicate", rest, dim))
+            meshes[rest], meshes[dim] = split[rest], split[dim]
+            meshes[f"{dim}_fsdp"] = split[(f"{dim}_replicate", rest)] if self.dp_replicate > 1 else split[rest]
         for old, new in ALIASES.items():
             meshes[old] = meshes[new]
         self._meshes = meshes
         return root
 
     def get_mesh(self, name: str) -> DeviceMesh:
-        """A mesh dimension (``sp``), a flattened mesh (``dp``, ``seq``, ``fsdp_shard``, ``loss``) or ``fsdp``."""
+        """A mesh dimension (``sp``), a flattened mesh (``dp``, ``seq``, ``fsdp_shard``, ``loss``), ``fsdp``, or a
+        borrowed one (``ep``, its complement ``efsdp``, ``ep_fsdp`` where FSDP shards the experts)."""
         meshes = getattr(self, "_meshes", None)
         if meshes is None:
             raise RuntimeError("ParallelDims.build_mesh(device_type) must be called before get_mesh")

@@ -158,12 +158,18 @@ class UlyssesAttention(nn.Module):
             # rank r holds exactly the kv head its q heads use.
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
+        if kwargs.get("sinks") is not None:  # one logit per q head: this rank's heads after the exchange
+            n = q.shape[2] // self.sp
+            kwargs = {**kwargs, "sinks": kwargs["sinks"][self.rank * n:(self.rank + 1) * n]}
         q, k, v = seq_to_head([q, k, v], self.group, self.sp)  # [B, S, H/P, D]
         out = self.local_attention(q, k, v, *args, **kwargs)  # [B, S, Hq/P, D]
         return head_to_seq(out, self.group, self.sp)  # [B, S/P, Hq, D]
 
     def _uneven(self, q, k, v, *args, **kwargs):
         plan = head_plan(q.shape[2], k.shape[2], self.sp)
+        if kwargs.get("sinks") is not None:
+            a, e = plan.q[self.rank]
+            kwargs = {**kwargs, "sinks": kwargs["sinks"][a:e]}
         q, k, v = seq_to_head_uneven(q, k, v, plan, self.group, self.rank)  # [B, S, H_r, D]
         index = plan.kv_index(self.rank)
         if index is not None:  # q heads that straddle kv groups unevenly: one kv head per q head

@@ -22,6 +22,9 @@ def extend_context(args: LlamaArgs, factor: float, method: str = "", original: i
     """``args`` with RoPE scaled ``factor`` times by ``method`` ("" : the model's own); ValueError names the setting."""
     if factor <= 0:
         return args
+    if factor < 1:  # as config.json's factor (models/hf_ranges.py): transformers requires >= 1
+        raise ValueError(f"model.rope_scaling_factor must be 0 (off) or >= 1 (how many times longer the context "
+                         f"becomes), got {factor:g}")
     current = args.rope_scaling
     method = method or (current.rope_type if current else get_family(args.family).extension)
     if method not in METHODS:

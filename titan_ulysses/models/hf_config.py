@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 
+from titan_ulysses.models.hf_ranges import check_hf_ranges, check_rope_lengths
 from titan_ulysses.models.llama.args import LlamaArgs
 from titan_ulysses.models.registry import HFConfigError, get_family
 
@@ -52,10 +53,13 @@ def _refuse_unsupported(cfg: dict) -> None:
                             f"models are)")
 
 
-def args_from_hf_config(cfg: dict, **overrides) -> LlamaArgs:
-    """Model arguments for a parsed config.json, by its family; raises HFConfigError naming the field it refuses."""
+def args_from_hf_config(cfg: dict, where: str = "config.json", **overrides) -> LlamaArgs:
+    """Model arguments for a parsed config.json, by its family; raises HFConfigError naming the field it refuses
+    (a number out of range also names ``where``, the file: ``models/hf_ranges.py``)."""
     _refuse_unsupported(cfg)
+    check_hf_ranges(cfg, where)
     args = get_family(cfg.get("model_type")).args_from_config(cfg)
+    check_rope_lengths(cfg, args.rotary_dim, where)
     try:
         return dataclasses.replace(args, **overrides)
     except (TypeError, ValueError) as e:
@@ -64,7 +68,7 @@ def args_from_hf_config(cfg: dict, **overrides) -> LlamaArgs:
 
 def load_hf_args(folder: str, **overrides) -> LlamaArgs:
     """The folder's config.json as ``LlamaArgs`` (FileNotFoundError / HFConfigError otherwise)."""
-    return args_from_hf_config(read_hf_config(folder), **overrides)
+    return args_from_hf_config(read_hf_config(folder), os.path.join(folder, "config.json"), **overrides)
 
 
 def describe(args: LlamaArgs) -> str:

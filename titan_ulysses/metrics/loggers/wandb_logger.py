@@ -3,7 +3,8 @@
 ``WANDB_MODE`` is wandb's own switch (``offline``: no network, ``wandb sync`` later;
 ``disabled``: nothing). The run files go under ``{dump_folder}/wandb``; the run id is kept
 in ``{dump_folder}/wandb/run_id`` so that a resume from this folder's checkpoint logs into
-the same run. The job's whole config is the run's config.
+the same run. The job's whole config is the run's config. ``login_problem`` is the dry run's
+check that a launch's ``wandb.init`` will find a login.
 """
 
 from __future__ import annotations
@@ -17,8 +18,55 @@ from titan_ulysses.metrics.loggers.base import numeric
 RUN_ID_FILE = "run_id"
 
 
+FIXES = ("run `wandb login`, or set WANDB_MODE=offline (sync later with `wandb sync`) or metrics.enable_wandb "
+         "false")
+NO_LOGIN_MODES = ("offline", "disabled", "dryrun")
+
+
 class WandbError(RuntimeError):
     """wandb.init failed (no login, no network): one line naming the setting and the fixes."""
+
+
+def _settings_value(key: str, environ) -> str:
+    """``key`` of wandb's settings files (the folder's own, then the user's: where `wandb offline` writes)."""
+    import configparser
+
+    user = environ.get("WANDB_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".config", "wandb")
+    for path in (os.path.join("wandb", "settings"), os.path.join(user, "settings")):
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(path)
+        except configparser.Error:
+            continue
+        if parser.get("default", key, fallback=""):
+            return parser.get("default", key)
+    return ""
+
+
+def login_problem(environ=None) -> str | None:
+    """Why ``wandb.init`` would fail for want of a login, or None; read without wandb or the network.
+
+    The sources are wandb's: ``WANDB_MODE`` (or its settings file's ``mode``) offline / disabled,
+    ``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, the ``.netrc`` entry of ``WANDB_BASE_URL``'s
+    host (``NETRC`` or ``~/.netrc``), and an ``api_key`` in its settings file.
+    """
+    import netrc
+    from urllib.parse import urlparse
+
+    environ = os.environ if environ is None else environ
+    mode = (environ.get("WANDB_MODE") or _settings_value("mode", environ)).lower()
+    if mode in NO_LOGIN_MODES or environ.get("WANDB_API_KEY") or environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    path = environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        if netrc.netrc(path).authenticators(host):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    if _settings_value("api_key", environ):
+        return None
+    return f"metrics.enable_wandb: no W&B login for {host} (no WANDB_API_KEY, no {host} entry in {path}); {FIXES}"
 
 
 def run_id(dump_folder: str, resumed: bool) -> str:
@@ -53,8 +101,7 @@ class WandbLogger:
             )
         except Exception as e:  # wandb raises its own (UsageError, CommError, ...) types
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise WandbError(f"metrics.enable_wandb: wandb.init failed ({first}); run `wandb login`, or set "
-                             f"WANDB_MODE=offline (sync later with `wandb sync`) or metrics.enable_wandb false") from e
+            raise WandbError(f"metrics.enable_wandb: wandb.init failed ({first}); {FIXES}") from e
 
     def log(self, metrics: dict) -> None:
         self.run.log(numeric(metrics), step=metrics["step"])

@@ -1,7 +1,7 @@
 """Gemma 3 text (``gemma3_text``) and Gemma 2 (``gemma2``): their own block (models/gemma/model.py).
 
 Per ``layer_types`` (or the older ``sliding_window_pattern``, default 6: every sixth layer
-global) a layer is "sliding_attention" (window ``sliding_window``, RoPE base
+global; Gemma 2: every other one) a layer is "sliding_attention" (window ``sliding_window``, RoPE base
 ``rope_local_base_freq`` / ``rope_parameters.sliding_attention``) or "full_attention"
 (RoPE ``rope_theta`` with its scaling / ``rope_parameters.full_attention``). Gemma 2 has one
 RoPE, no q/k norms, every other layer sliding, and soft-caps attention scores and final
@@ -49,7 +49,8 @@ def args_from_config(cfg: dict) -> LlamaArgs:
     check_common({k: v for k, v in cfg.items() if k not in ("hidden_act", "rope_parameters")}, act=ACT)
     gemma2 = cfg.get("model_type") == "gemma2"
     n = int(cfg.get("num_hidden_layers", 0))
-    pattern = int(cfg.get("sliding_window_pattern", 2 if gemma2 else 6))
+    # Gemma 2 alternates whatever the file says (transformers ignores its sliding_window_pattern)
+    pattern = 2 if gemma2 else int(cfg.get("sliding_window_pattern", 6))
     layer_types = cfg.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     if gemma2:  # one RoPE for every layer

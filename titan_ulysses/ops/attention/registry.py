@@ -37,6 +37,9 @@ class Backend:
     """Sliding windows (``window=W``)."""
     softcap: str
     """Score capping (``softcap``): "fused", "unfused" (explicit scores, in query blocks)."""
+    sinks: str
+    """Attention sinks (``sinks``, a logit per head in the softmax's denominator: gpt-oss): "unfused"
+    (explicit scores, in query blocks) or "" (not implemented)."""
     cp: bool
     """Runs under context parallelism (lower-right causal calls, documents at global positions)."""
     save_ops: tuple[str, ...]
@@ -83,7 +86,7 @@ BACKENDS: dict[str, Backend] = {
     "sdpa": Backend(
         "sdpa", _sdpa, _sdpa_mask, cpu_backward=True, cuda_only=False, native_gqa=True,
         documents="a dense mask up to 16M elements, per-document causal calls above",
-        window=True, softcap="unfused", cp=True,
+        window=True, softcap="unfused", sinks="unfused", cp=True,
         save_ops=("aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
                   "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
                   "titan_ulysses.attention_per_document"),
@@ -91,11 +94,11 @@ BACKENDS: dict[str, Backend] = {
     "flex": Backend(
         "flex", _flex, _flex_mask, cpu_backward=False, cuda_only=False, native_gqa=True,
         documents="a BlockMask from per-block document and position ranges",
-        window=True, softcap="fused", cp=True, save_ops=("higher_order.flex_attention",),
+        window=True, softcap="fused", sinks="", cp=True, save_ops=("higher_order.flex_attention",),
     ),
     "flash_attn": Backend(
         "flash_attn", _flash_attn, _flash_attn_mask, cpu_backward=False, cuda_only=True, native_gqa=True,
-        documents="varlen kernel with cumulative document lengths", window=True, softcap="fused", cp=True,
+        documents="varlen kernel with cumulative document lengths", window=True, softcap="fused", sinks="", cp=True,
         save_ops=("flash_attn._flash_attn_forward", "flash_attn._flash_attn_varlen_forward",
                   "titan_ulysses.attention_per_document"),
     ),

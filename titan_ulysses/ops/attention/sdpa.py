@@ -7,6 +7,8 @@ On CUDA sdpa dispatches to FlashAttention, cuDNN or memory-efficient kernels, in
   against only the keys it may see, with an ``[block, block + window]`` mask built from ints;
 * ``softcap``: sdpa has no score hook, so scores are computed explicitly (``_math``), in the
   same query blocks -- exact, unfused (flex and flash_attn fuse it);
+* ``sinks`` (gpt-oss: one learned logit per head in every softmax's denominator): the same
+  explicit path, a sink column beside each row's scores;
 * packed documents: a dense ``[B, 1, S, S]`` mask only while ``B x S x S`` is at most
   ``masks.DENSE_MASK_MAX_ELEMENTS``; above, one causal call per document (``per_document.py``,
   one custom op), each on the unmasked kernels (cuDNN / flash on CUDA) -- no ``[S, S]`` tensor.
@@ -117,27 +119,31 @@ class SDPAAttention(nn.Module):
         order = self.orders[masked]
         return sdpa_kernel(order, set_priority=True) if order else contextlib.nullcontext()
 
-    def forward(self, q, k, v, attention_mask=None, *, scale=None, window=0, softcap=0.0):
-        """``q: [B, S, Hq, D]``, ``k, v: [B, S, Hkv, D]`` -> ``[B, S, Hq, D]``, causal; see the module."""
+    def forward(self, q, k, v, attention_mask=None, *, scale=None, window=0, softcap=0.0, sinks=None):
+        """``q: [B, S, Hq, D]``, ``k, v: [B, S, Hkv, D]`` -> ``[B, S, Hq, D]``, causal; ``sinks`` [Hq] or None;
+        see the module."""
         if attention_mask is None:
-            return self.causal_lower_right(q, k, v, scale=scale, window=window, softcap=softcap)
+            return self.causal_lower_right(q, k, v, scale=scale, window=window, softcap=softcap, sinks=sinks)
         if isinstance(attention_mask, DocumentMask):
             if attention_mask.dense is None:
+                if sinks is not None:
+                    raise ValueError("attention sinks with packed documents above the dense-mask size are not "
+                                     "implemented for model.attn_backend 'sdpa'; set training.packing false")
                 index = torch.arange(q.shape[1], device="cpu")  # [S]: every query, in order
                 return attention_per_document(q, k, v, attention_mask.document_ids, index, scale or 0.0, window,
                                               softcap, "sdpa", self.sdpa_backends)
             mask = attention_mask.dense
             if window > 0:  # [B, 1, S, S] & [S, S]
                 mask = mask & lower_right_mask(q.shape[1], k.shape[1], window, q.device)
-            return self._masked(q, k, v, mask, scale, softcap)
+            return self._masked(q, k, v, mask, scale, softcap, sinks)
         if window > 0:  # an explicit mask (cp's dense path, tests) already says what is visible
             raise ValueError("SDPAAttention: pass the window inside an explicit boolean mask, not beside it")
-        return self._masked(q, k, v, attention_mask, scale, softcap)
+        return self._masked(q, k, v, attention_mask, scale, softcap, sinks)
 
-    def _masked(self, q, k, v, mask, scale, softcap):
+    def _masked(self, q, k, v, mask, scale, softcap, sinks=None):
         """Attention under an explicit boolean mask (``[Lq, Lk]`` or ``[B, 1, Lq, Lk]``)."""
-        if softcap > 0:
-            return _math(q, k, v, mask, scale, softcap)
+        if softcap > 0 or sinks is not None:
+            return _math(q, k, v, mask, scale, softcap, sinks)
         return self._sdpa(q, k, v, mask, scale)
 
     def _causal(self, q, k, v, scale):
@@ -157,7 +163,7 @@ class SDPAAttention(nn.Module):
                                                  enable_gqa=gqa)
         return out.transpose(1, 2)  # [B, S, H, D]
 
-    def causal_lower_right(self, q, k, v, *, scale=None, window=0, softcap=0.0):
+    def causal_lower_right(self, q, k, v, *, scale=None, window=0, softcap=0.0, sinks=None):
         """Causal attention of the last ``Lq`` tokens of an ``Lk``-token prefix, the diagonal aligned bottom-right.
 
         ``q: [B, Lq, Hq, D]``, ``k, v: [B, Lk, Hkv, D]`` with ``Lq <= Lk``: query ``i`` sees keys
@@ -181,7 +187,7 @@ class SDPAAttention(nn.Module):
           explicit boolean mask built from the lengths (``[block, block + window]`` with a window).
         """
         lq, lk = q.shape[1], k.shape[1]
-        plain = softcap == 0 and (window <= 0 or window >= lk)
+        plain = softcap == 0 and sinks is None and (window <= 0 or window >= lk)
         if plain and lq == lk:
             return self._causal(q, k, v, scale)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
@@ -193,16 +199,23 @@ class SDPAAttention(nn.Module):
             b = min(a + BLOCK, lq)
             ks, ke = (max(0, a + off - window + 1) if window > 0 else 0), b + off
             mask = lower_right_mask(b - a, ke - ks, window, q.device)  # [block, keys it may see]
-            outs.append(self._masked(q[:, a:b], k[:, ks:ke], v[:, ks:ke], mask, scale, softcap))
+            outs.append(self._masked(q[:, a:b], k[:, ks:ke], v[:, ks:ke], mask, scale, softcap, sinks))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def _math(q, k, v, mask, scale, softcap):
-    """Explicit attention with Gemma 2's score capping ``softcap * tanh(s / softcap)`` under ``mask``."""
+def _math(q, k, v, mask, scale, softcap, sinks=None):
+    """Explicit attention under ``mask``: Gemma 2's score capping ``softcap * tanh(s / softcap)`` (0: none),
+    gpt-oss's ``sinks`` [Hq] (a logit per head in each row's softmax, whose probability is dropped)."""
     if q.shape[2] != k.shape[2]:
         k, v = _expand_kv(q, k, v)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
     scores = (qt @ kt.transpose(-1, -2)).float() * (q.shape[-1] ** -0.5 if scale is None else scale)
-    scores = softcap * torch.tanh(scores / softcap)
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # [B, H, Lq, Lk]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))  # [B, H, Lq, Lk]
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # [B, H, Lq, 1]
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]  # [B, H, Lq, Lk]
     return (probs.to(vt.dtype) @ vt).transpose(1, 2)  # [B, Lq, Hq, D]
