@@ -4,6 +4,8 @@ gradient norm and the preemption flag together (the trainer's ``_read_guard`` sa
 On CPU nothing waits, so reads stand in for host syncs: a value read out of a tensor (``item``,
 ``tolist``, ``bool`` / ``float`` / ``int``, ``numpy``) by our own code. On CUDA each such read
 blocks the host until the device has caught up, and the next step's kernels cannot queue.
+Not covered here (passkey rows hold one document): packed rows add one read per microbatch,
+where the attention mask cuts the documents on the host (``ops/attention/masks.py``).
 """
 
 import os
