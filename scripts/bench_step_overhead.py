@@ -12,10 +12,10 @@ betas, eps, weight decay) and clip at the same ``training.max_norm``:
   ``AdamW.step()``, ``zero_grad()`` with torch's default AdamW for the device.
 
 Each round times one step of each, alternating (after ``--warmup`` rounds), so drifts in the
-machine's load reach both alike; with ``--breakdown`` (on by default) each round also times the
-two models' forward and backward alone (ours through ``forward_backward``), so that what
-surrounds the model shows: step minus forward-backward. Prints medians, the ratio, the
-device and the command. ``--profile`` prints torch.profiler's top operators of one of our steps.
+machine's load reach both alike. Within each step the forward and backward are timed too (ours:
+the trainer's own ``forward_backward`` call), so what surrounds the model shows per step:
+the step minus its forward and backward. Prints medians, the ratio, the device and the
+command. ``--profile`` prints torch.profiler's top operators of one of our steps.
 """
 
 from __future__ import annotations
@@ -103,8 +103,6 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (one step of each side per round)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
-                   help="do not also time each model's forward and backward alone")
     p.add_argument("--profile", action="store_true", help="print the top operators of one of our steps")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -116,50 +114,51 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, a.seq_len), generator=g).to(trainer.device)
 
+    import titan_ulysses.trainer as trainer_module
+
+    inside = {}  # this round's forward and backward time within each side's step
+    real_forward_backward = trainer_module.forward_backward
+
+    def timed_forward_backward(*args, **kwargs):  # the trainer's own call, timed where it happens
+        start = time.perf_counter()
+        out = real_forward_backward(*args, **kwargs)
+        inside["ours"] = time.perf_counter() - start  # (no device sync: CPU, or a GPU step's host side)
+        return out
+
+    trainer_module.forward_backward = timed_forward_backward
+
     def bare_step():
+        start = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
+        inside["bare"] = time.perf_counter() - start
         if max_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    cases = {"ours step": lambda: trainer.train_step(data), "bare step": bare_step}
-    if a.breakdown:
-        from titan_ulysses.distributed.utils import forward_backward
-
-        microbatches, _ = trainer.batches.next(iter(trainer.dataloader))  # a fixed batch for ours alone
-        loss_mesh = trainer.parallel_dims.get_mesh("loss")
-
-        def ours_model():
-            forward_backward(trainer.model, microbatches, loss_mesh)
-            trainer.optimizer.zero_grad(set_to_none=True)
-
-        def bare_model():
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.zero_grad(set_to_none=True)
-
-        cases.update({"ours fwd+bwd": ours_model, "bare fwd+bwd": bare_model})
-    times = {name: [] for name in cases}
+    cases = {"ours": lambda: trainer.train_step(data), "bare": bare_step}
+    step, around = {side: [] for side in cases}, {side: [] for side in cases}
     for r in range(a.warmup + a.rounds):
         order = list(cases) if r % 2 == 0 else list(reversed(cases))  # neither side always goes first
-        for name in order:
-            t = timed(cases[name])
+        line = {}
+        for side in order:
+            t = timed(cases[side])
+            line[side] = f"{side} step {t:.2f} s, around the model {t - inside[side]:.2f} s"
             if r >= a.warmup:
-                times[name].append(t)
-        print(f"round {r + 1}{' (warm-up)' if r < a.warmup else ''}: "
-              + ", ".join(f"{n} {times[n][-1] if r >= a.warmup else 0:.2f} s" for n in cases), flush=True)
-    med = {name: statistics.median(v) for name, v in times.items()}
+                step[side].append(t)
+                around[side].append(t - inside[side])
+        print(f"round {r + 1}{' (warm-up)' if r < a.warmup else ''}: {'; '.join(line[s_] for s_ in cases)}", flush=True)
+    med = {side: statistics.median(v) for side, v in step.items()}
+    med_around = {side: statistics.median(v) for side, v in around.items()}
     print(f"device: {device_name()}; torch {torch.__version__}")
     print(f"command: python scripts/bench_step_overhead.py {shlex.join(argv if argv is not None else sys.argv[1:])}")
     print(f"model: {a.hf_folder} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), "
           f"{a.seq_len} tokens per step, fp32; medians of {a.rounds} interleaved rounds")
-    for name, v in times.items():
-        print(f"  {name:13s} {med[name]:7.3f} s  (min {min(v):.3f}, max {max(v):.3f})")
-    print(f"ratio ours / bare, whole step: {med['ours step'] / med['bare step']:.3f}")
-    if a.breakdown:
-        around = {side: med[f"{side} step"] - med[f"{side} fwd+bwd"] for side in ("ours", "bare")}
-        print(f"around the model (step - fwd+bwd): ours {around['ours']:.3f} s, bare {around['bare']:.3f} s; "
-              f"fwd+bwd ratio {med['ours fwd+bwd'] / med['bare fwd+bwd']:.3f}")
+    for side in cases:
+        print(f"  {side} step {med[side]:7.3f} s (min {min(step[side]):.3f}, max {max(step[side]):.3f}); "
+              f"around the model {med_around[side]:.3f} s (step minus its forward and backward)")
+    print(f"ratio ours / bare, whole step: {med['ours'] / med['bare']:.3f}")
+    print(f"around the model, ours - bare: {med_around['ours'] - med_around['bare']:+.3f} s per step")
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
