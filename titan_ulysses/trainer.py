@@ -41,6 +41,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 class Trainer:
+    """``Trainer(config)`` builds the run (collective: every rank constructs it); ``train()`` runs it."""
+
     def __init__(self, config: JobConfig):
         self.config = config
         t = config.training
