@@ -40,11 +40,11 @@ from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.sources import DataError, list_files, read_rows, text_field, work_items
 from titan_ulysses.data.tokenizer import resolve_tokenizer
+from titan_ulysses.distributed.setup import init_distributed
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.loss import IGNORE_INDEX
 from titan_ulysses.preflight import validate
-from titan_ulysses.trainer import init_distributed
 
 NAMES = ["Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jules", "Kofi", "Lena",
          "Mateo", "Nadia", "Oscar", "Priya"]

@@ -32,7 +32,7 @@ from titan_ulysses.data.tokenizer import resolve_tokenizer
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.preflight import validate
-from titan_ulysses.trainer import init_distributed
+from titan_ulysses.distributed.setup import init_distributed
 
 
 def parse_args(argv):

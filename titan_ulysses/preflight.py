@@ -10,7 +10,8 @@ parallelism layout, this machine or the files the settings name is here:
 * ``check_files(config)``: the tokenizer files, the chat template of an SFT dataset, the
   Hugging Face weights' safetensors headers, the DCP metadata of ``checkpoint.initial_load_path``.
 
-The trainer runs both before it joins the process group.
+The trainer runs both, in ``check_launch``, before it joins the process group, and
+``check_device`` once it has.
 
 ``plan(config, world_size)`` is ``python train.py --config X --dry-run --world-size N``:
 the two above for ``N`` ranks and what a launch finds out only once started (the output folders
@@ -22,6 +23,10 @@ by phase, what is saved where).
 from __future__ import annotations
 
 import os
+import sys
+
+import torch
+import torch.distributed as dist
 
 from titan_ulysses.checkpoint.folders import output_folders_problem
 from titan_ulysses.checkpoint.hf import check_hf_weights
@@ -30,6 +35,7 @@ from titan_ulysses.checkpoint.verify import ALL
 from titan_ulysses.checkpoint.weight_source import adopt_start_record, hf_weights_wanted
 from titan_ulysses.config.job_config import JobConfig, parse_lora_targets
 from titan_ulysses.config.manager import ConfigError, check_config, check_requirements, resolved_global_batch_size
+from titan_ulysses.data.build import check_dataset_files
 from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.data.sharding import check_seq_len
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
@@ -152,6 +158,42 @@ def check_files(config: JobConfig) -> None:
             check_dcp_model_shapes(c.initial_load_path, args)
         except (OSError, ValueError) as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}") from e
+
+
+def check_launch(config: JobConfig) -> tuple[ParallelDims, str | None]:
+    """Every check a launch makes before it joins the process group, in the order that matters;
+    returns the layout and the start record's note for the start-up line.
+
+    The start checkpoint's record first (it may give the architecture), the dataset files before
+    the layout (a layout error must not hide a missing file), then ``validate``, ``check_files``
+    and the output folder.
+    """
+    note = adopt_start_record(config)
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    check_dataset_files(config)
+    dims = validate(config, world_size)
+    check_files(config)
+    problem = output_folders_problem(config)
+    if problem:
+        raise ConfigError(problem)
+    return dims, note
+
+
+def check_device(config: JobConfig, dims: ParallelDims, device) -> None:
+    """The checks that need this rank's device, once it has joined the job: what the attention
+    backend cannot do on it (refused), and on CUDA rank 0's warning when the memory estimate
+    exceeds the device."""
+    try:
+        check_attention_settings(config.model.attn_backend, config.model.sdpa_backends, dims.cp, device.type)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if device.type == "cuda" and dist.get_rank() == 0:
+        from titan_ulysses.planning.recommend import memory_warning  # the planner only when it may speak
+
+        total = torch.cuda.get_device_properties(device).total_memory
+        warning = memory_warning(config, dims, dist.get_world_size(), total)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 
 def load_tokenizer(config: JobConfig):

@@ -1,4 +1,4 @@
-"""Reductions for losses and token counts, and loading full weights into a parallelized model.
+"""The step's loss (``forward_backward``), its reductions, and loading full weights into a parallelized model.
 
 The loss convention that makes every layout equal to one device:
 
@@ -9,9 +9,13 @@ where "whole global batch" spans every microbatch of the step and every rank of 
 global mean, and so does summing its gradients -- which is what FSDP is set to do
 (``set_gradient_divide_factor(1.0)``). Normalising by a per-rank or per-microbatch count
 instead is the classic bug that makes loss drift with the SP degree or with accumulation.
+:func:`forward_backward` is that convention in code: the trainer's step, the held-out
+evaluation and the tests' parallel step all call it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,6 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_ulysses.ops.attention import build_attention_mask
 from titan_ulysses.ops.loss import IGNORE_INDEX
 
 
@@ -48,6 +53,34 @@ def router_loss_share(stats, loss_mesh: DeviceMesh, coef: float) -> torch.Tensor
         dist.all_reduce(counts, group=loss_mesh.get_group())
         dist.all_reduce(rows, group=loss_mesh.get_group())
     return coef * load_balancing_loss(stats, counts, rows)
+
+
+class StepLoss(NamedTuple):
+    loss: torch.Tensor
+    """The global mean loss (0-dim, fp32, on the device; summed over the ``loss`` mesh, not yet read)."""
+    tokens: torch.Tensor
+    """Loss-carrying tokens of the global batch (0-dim on the device), the mean's denominator."""
+
+
+def forward_backward(model: nn.Module, microbatches: list, loss_mesh: DeviceMesh) -> StepLoss:
+    """Forward (and backward) of this rank's microbatches of one step, by the convention above.
+
+    ``microbatches``: this rank's ``SPBatch``es (``data/sharding.py``), all of the step's. Each
+    one's summed loss is divided by the global token count before its backward, so gradients
+    accumulate to those of the global mean. Under ``torch.no_grad`` (held-out evaluation) it is
+    the forward alone. Nothing is read back to the host: the caller decides when to look.
+    """
+    n_tokens = global_token_count([mb.labels for mb in microbatches], loss_mesh)
+    n_tokens = n_tokens.to(microbatches[0].labels.device, torch.float32)
+    backend = model.compute.attn_backend
+    total = torch.zeros((), device=n_tokens.device)  # fp32, or the loss's dtype when wider
+    for mb in microbatches:
+        mask = build_attention_mask(backend, mb.document_ids)  # one per microbatch: every layer reuses it
+        loss = model(mb.tokens, positions=mb.positions, attention_mask=mask, labels=mb.labels) / n_tokens
+        if torch.is_grad_enabled():
+            loss.backward()
+        total = total + loss.detach()
+    return StepLoss(dist_sum(total, loss_mesh), n_tokens)
 
 
 def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
