@@ -52,6 +52,7 @@ def plan_config(a):
     from titan_ulysses.config.manager import ConfigError, _set, load_config
     from titan_ulysses.data.sources import DataError
     from titan_ulysses.preflight import check_files, validate
+    from titan_ulysses.run_spec import resolve_run
     from titan_ulysses.planning.estimate import estimate
     from titan_ulysses.planning.inputs import GIB, from_config
     from titan_ulysses.planning.recommend import BUDGET, recommend
@@ -63,9 +64,10 @@ def plan_config(a):
         "--model.flavor", a.flavor]
     try:
         config = load_config(base)
-        dims = validate(config, a.gpus)  # the trainer's pre-flight: what it refuses is not planned for
-        check_files(config)
-        args, layout, switches = from_config(config, dims)
+        spec = resolve_run(config)  # the model and tokenizer as train.py resolves them
+        dims = validate(config, a.gpus, spec)  # the trainer's pre-flight: what it refuses is not planned for
+        check_files(config, spec)
+        args, layout, switches = from_config(config, dims, spec.args)
         rec = recommend(args, layout, switches, a.seq_len, 1, a.gpus, BUDGET * a.gpu_memory_gib * GIB)
         if rec is None:
             raise SystemExit(f"plan: no layout of {a.gpus} GPUs and no memory switch fits seq_len {a.seq_len} in "
@@ -73,10 +75,10 @@ def plan_config(a):
         for flag in rec[1]:
             key, value = flag.split()
             _set(config, key[2:], value, from_cli=True)
-        dims = validate(config, a.gpus)
+        dims = validate(config, a.gpus, spec)
     except (ConfigError, DataError) as e:
         raise SystemExit(f"plan: {e}") from e
-    args, layout, switches = from_config(config, dims)
+    args, layout, switches = from_config(config, dims, spec.args)
     return config, dims, args, estimate(args, layout, switches, a.seq_len, 1), rec[1]
 
 

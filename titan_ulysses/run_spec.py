@@ -137,8 +137,20 @@ def _model(config: JobConfig, start: str) -> tuple[DecoderArgs, str, str, bool, 
         args = apply_model_settings(recorded, only, max_positions)
     named = tuple(f"{k} {old} -> {new} (checkpoint.override_recorded; {start} recorded {old})"
                   for k, (old, new) in changes.items())
+    own = apply_model_settings(_named_model(config, folder), m, max_positions)  # the config's model, alone
+    notes = tuple(f"{f} {show(getattr(args, f))} from the checkpoint's model_args.json (the config says "
+                  f"{show(getattr(own, f))})" for f, show in (("rope_theta", repr), ("rope_scaling", _rope))
+                  if getattr(args, f) != getattr(own, f))
     source = f"{describe(args)} (recorded in {start})"
-    return args, source, start, hf_config is not None, named, ()
+    return args, source, start, hf_config is not None, named, notes
+
+
+def _named_model(config: JobConfig, folder: str) -> DecoderArgs:
+    """The model the config names, before its RoPE settings: the folder's config.json, else the flavor."""
+    try:
+        return load_hf_args(folder) if folder else get_flavor(config.model.flavor)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.{'hf_assets_path' if folder else 'flavor'}: {e}") from e
 
 
 _SHAPES = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden_dim", "vocab_size")
@@ -147,10 +159,7 @@ _SHAPES = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ff
 def _same_model(config: JobConfig, folder: str, recorded: DecoderArgs, start: str) -> None:
     """The model the config names (its folder's, else its flavor's) has the shapes ``start`` records:
     a ConfigError naming the setting that gives the recorded one otherwise."""
-    try:
-        named = load_hf_args(folder) if folder else get_flavor(config.model.flavor)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.{'hf_assets_path' if folder else 'flavor'}: {e}") from e
+    named = _named_model(config, folder)
     differ = [f for f in _SHAPES if getattr(named, f, None) != getattr(recorded, f, None)]
     if differ:
         setting = "model.hf_assets_path" if folder else f"model.flavor {config.model.flavor!r}"
@@ -175,6 +184,7 @@ def resolve_run(config: JobConfig, start: str | None = None, tokenizer: bool = T
     ``tokenizer`` False leaves the tokenizer unread (tools run where its file is absent). Sets
     ``config.model.hf_assets_path`` and ``model.tokenizer`` to what it resolved. ConfigError otherwise."""
     start = config.checkpoint.initial_load_path if start is None else start
+    override_list(config)  # a name that is not a recorded setting is refused, record or not
     args, source, record, pretrained, named, notes = _model(config, start)
     m = config.model
     kind, path, _ = tokenizer_source(m)

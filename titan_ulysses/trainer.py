@@ -94,6 +94,7 @@ class Trainer:
                 raise
             follow_config(self.optimizer, self.lr_scheduler, config)
             resumed = f"; resumed: {changes}"
+        self.resumed = resumed  # what the resume changed, as the start-up line says it
         # logging and evaluation
         self.nonfinite_in_a_row = 0
         self._signalled = False  # SIGTERM / SIGUSR1 reached this rank
