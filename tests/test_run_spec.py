@@ -101,18 +101,18 @@ def test_every_tool_resolves_the_same_spec_from_every_source(fx, name, tmp_path,
     assert reference.source in found["dry_run"] and reference.tokenizer_line() in found["dry_run"]
 
 
-def test_a_rope_setting_that_changes_the_record_is_refused_or_named(fx):
+def test_a_rope_setting_given_for_a_new_run_overrides_the_record_and_is_named(fx):
+    """Context extension of a checkpoint: a RoPE setting given is the user's override, named; one equal to the
+    record changes nothing; none given keeps the record (the default 0 means "the model's")."""
     recorded = read_model_record(fx["extended_flavor"])[0]
     start = ["--checkpoint.initial_load_path", fx["extended_flavor"]]
-    with pytest.raises(ConfigError, match=r"^model.rope_scaling_factor llama3 x8 \(recorded: llama3 x4\) would change "
-                                          r".*--checkpoint.override_recorded model.rope_scaling_factor$"):
-        resolve_run(load_config([*COMMON, *start, "--model.rope_scaling_factor", "8"]))
-    spec = resolve_run(load_config([*COMMON, *start, "--model.rope_scaling_factor", "8",
-                                    "--checkpoint.override_recorded", "model.rope_scaling_factor"]))
+    spec = resolve_run(load_config([*COMMON, *start, "--model.rope_scaling_factor", "8"]))
     assert spec.args.rope_scaling == dataclasses.replace(recorded.rope_scaling, factor=8.0)
-    assert spec.overrides[0].startswith("model.rope_scaling_factor llama3 x4 -> llama3 x8")
-    same = resolve_run(load_config([*COMMON, *start, "--model.rope_scaling_factor", "4"]))  # as recorded: no change
-    assert same.args == recorded and same.overrides == ()
+    assert spec.overrides == (f"model.rope_scaling_factor llama3 x4 -> llama3 x8 (the config's; "
+                              f"{fx['extended_flavor']} recorded llama3 x4)",)
+    for extra in ([], ["--model.rope_scaling_factor", "4"]):
+        same = resolve_run(load_config([*COMMON, *start, *extra]))
+        assert same.args == recorded and same.overrides == ()
 
 
 @pytest.mark.slow

@@ -12,10 +12,12 @@ The rule (docs/run_spec.md), in one place:
    else the record's ``hf_assets/``).
 2. The model arguments are the record's when there is one, else the folder's config.json, else
    ``model.flavor``'s. Without a record the config's RoPE settings apply to them.
-3. What was recorded wins unless the user overrides it: a config setting that would change a
-   recorded value is refused unless it is listed in ``checkpoint.override_recorded``; an override
-   that changes a recorded value is named on the start-up line (``RunSpec.overrides``). On resume
-   the same list decides for the settings the run saved (``config/resume.py``).
+3. What was recorded wins unless the user overrides it. The config's RoPE settings are 0 / "" ("keep
+   the model's") unless given, so a default never erases a recorded scaling; a RoPE setting given
+   (``model.rope_theta``, ``model.rope_scaling_factor``: context extension of a checkpoint) is an
+   override, and one that changes a recorded value is named on the start-up line (``RunSpec.overrides``).
+   A resume is the same run going on: there a changed model setting is refused unless
+   ``checkpoint.override_recorded`` lists it, and named when it does (``config/resume.py``).
 4. The tokenizer: ``model.tokenizer``; unset, the folder's tokenizer.json when it has one, else the
    byte tokenizer. Ids beyond the model's vocabulary, or a model with a pretrained vocabulary (a
    Hugging Face folder's) and a tokenizer with fewer than half its ids, are a one-line refusal.
@@ -123,20 +125,13 @@ def _model(config: JobConfig, start: str) -> tuple[DecoderArgs, str, str, bool, 
     _same_model(config, folder, recorded, start)
     max_positions = (hf_config or {}).get("max_position_embeddings", 0)
     changes = _recorded_changes(recorded, config, max_positions)
-    allowed = override_list(config)
-    refused = [k for k in changes if k not in allowed]
-    if refused:
-        what = ", ".join(f"{k} {changes[k][1]} (recorded: {changes[k][0]})" for k in refused)
-        raise ConfigError(f"{what} would change what {start} records; the record wins: drop the setting, or "
-                          f"apply it on purpose with --checkpoint.override_recorded {','.join(refused)}")
     args = recorded
     if changes:
         only = dataclasses.replace(m, rope_theta=m.rope_theta if "model.rope_theta" in changes else 0.0,
                                    rope_scaling_factor=m.rope_scaling_factor if "model.rope_scaling_factor" in changes
                                    else 0.0)
         args = apply_model_settings(recorded, only, max_positions)
-    named = tuple(f"{k} {old} -> {new} (checkpoint.override_recorded; {start} recorded {old})"
-                  for k, (old, new) in changes.items())
+    named = tuple(f"{k} {old} -> {new} (the config's; {start} recorded {old})" for k, (old, new) in changes.items())
     own = apply_model_settings(_named_model(config, folder), m, max_positions)  # the config's model, alone
     notes = tuple(f"{f} {show(getattr(args, f))} from the checkpoint's model_args.json (the config says "
                   f"{show(getattr(own, f))})" for f, show in (("rope_theta", repr), ("rope_scaling", _rope))

@@ -231,12 +231,12 @@ class Checkpoint:
     """Start over (from initial_load_path, the Hugging Face weights or a random init) even though
     every checkpoint of this run is damaged (set aside as step-N.bad); without it such a run stops."""
     override_recorded: str = ""
-    """Comma-separated settings whose value in this config wins over the recorded one (docs/run_spec.md):
-    e.g. "model.rope_scaling_factor,lora.alpha". What a checkpoint records (the start checkpoint's
-    model_args.json; on resume, the settings this run saved) otherwise wins: a setting that changes what
-    the model computes (model, RoPE, LoRA, attention, precision) and differs from the record is refused.
-    Each override that changes a recorded value is named on the start-up line; so are changed layout,
-    activation checkpointing and compile settings, which a resume applies."""
+    """On resume: comma-separated settings that change what the model computes (model, RoPE, LoRA, attention,
+    precision) whose value in this config wins over the one the checkpoint saved, e.g.
+    "model.rope_scaling_factor,lora.alpha" (docs/run_spec.md). Without it such a change is refused; with it
+    the change is named on the start-up line, as are changed layout, activation checkpointing and compile
+    settings, which a resume applies. (A new run from checkpoint.initial_load_path keeps the recorded
+    model and RoPE unless a RoPE setting is given, which is then named.)"""
     allow_data_change: bool = False
     """Resume even though the data settings (dataset, path, tokenizer, seq_len, seed, ...) differ
     from the checkpoint's; the run continues at the same global sample index of the new data."""
