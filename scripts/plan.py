@@ -64,9 +64,9 @@ def plan_config(a):
         "--model.flavor", a.flavor]
     try:
         config = load_config(base)
-        spec = resolve_run(config)  # the model and tokenizer as train.py resolves them
+        spec = resolve_run(config, tokenizer=False)  # the model as train.py resolves it
         dims = validate(config, a.gpus, spec)  # the trainer's pre-flight: what it refuses is not planned for
-        check_files(config, spec)
+        spec = check_files(config, spec)  # the files, then the tokenizer against the model
         args, layout, switches = from_config(config, dims, spec.args)
         rec = recommend(args, layout, switches, a.seq_len, 1, a.gpus, BUDGET * a.gpu_memory_gib * GIB)
         if rec is None:

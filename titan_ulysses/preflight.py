@@ -173,7 +173,7 @@ def check_launch(config: JobConfig) -> tuple[ParallelDims, RunSpec, str | None]:
     note = adopt_start_record(config)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     check_dataset_files(config)
-    spec = resolve_run(config)
+    spec = resolve_run(config, tokenizer=False)  # the tokenizer once check_files has checked its file
     dims = validate(config, world_size, spec)
     spec = check_files(config, spec)
     problem = output_folders_problem(config)
@@ -212,7 +212,7 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
     ConfigError / DataError."""
     # as the trainer: the start checkpoint may give the architecture; verified whole here (one process)
     record_note = adopt_start_record(config, shards=ALL)
-    spec = resolve_run(config)
+    spec = resolve_run(config, tokenizer=False)  # the tokenizer once check_files has checked its file
     dims = validate(config, world_size, spec)
     spec = check_files(config, spec)
     # what a launch finds out only once started: the output folders, a W&B login (wandb.init)
