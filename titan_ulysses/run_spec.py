@@ -68,9 +68,10 @@ class RunSpec:
     tokenizer_object: object = field(default=None, compare=False, repr=False)
 
     def tokenizer_line(self) -> str:
+        """``tokenizer KIND [FILE] (N ids, model vocab V)``: the start-up line's and the dry run's."""
         where = f" {self.tokenizer_path}" if self.tokenizer_path else ""
-        ids = f", {self.tokenizer_vocab} ids" if self.tokenizer_vocab else ""
-        return f"tokenizer {self.tokenizer}{where} ({'' if ids else 'not read'}{ids[2:]}, model vocab {self.args.vocab_size})"
+        ids = f"{self.tokenizer_vocab} ids" if self.tokenizer_vocab else "not read"
+        return f"tokenizer {self.tokenizer}{where} ({ids}, model vocab {self.args.vocab_size})"
 
 
 def hf_folder(config: JobConfig, record_dir: str = "") -> str:

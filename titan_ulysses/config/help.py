@@ -46,7 +46,8 @@ def format_help(width: int = 100) -> str:
         for f in dataclasses.fields(obj):
             key = f"{section.name}.{f.name}"
             default = getattr(obj, f.name)
-            choices = f" (one of {', '.join(map(str, CHOICES[key]))})" if key in CHOICES else ""
+            named = [repr(c) if c == "" else str(c) for c in CHOICES.get(key, ())]  # '' (unset) shows as ''
+            choices = f" (one of {', '.join(named)})" if named else ""
             lines.append(f"  --{key} {default!r}{choices}")
             doc = " ".join(docs.get(type(obj).__name__, {}).get(f.name, "").split())
             if doc:

@@ -11,7 +11,8 @@ from titan_ulysses.ops.attention import sdpa_priority
 def startup_line(config, spec, weights, compute, options, parallel_dims, params: tuple[int, int],
                  global_batch_size: int, microbatches: int, device, step: int, resumed: str,
                  fake_world: int = 0, record_note: str | None = None) -> str:
-    """``spec``: the run's (``run_spec.RunSpec``: model, tokenizer, overrides); ``weights``: the WeightSource; ``compute`` / ``options``: ComputeOptions / ParallelizeOptions;
+    """``spec``: the run's (``run_spec.RunSpec``: model, tokenizer, overrides); ``weights``: the WeightSource;
+    ``compute`` / ``options``: ComputeOptions / ParallelizeOptions;
     ``params``: (trainable, total); ``resumed``: what the resume changed ("" when none);
     ``fake_world``: the simulated world size under a fake process group (0: a real one)."""
     pd, t, args = parallel_dims, config.training, spec.args
