@@ -17,14 +17,14 @@ import pytest
 from hf_fixtures import make_hf_model, make_tokenizer
 from spec_fixtures import COMMON, ROOT, SCRIPTS, _run, fx, train_main  # noqa: F401 (fixtures)
 from titan_ulysses.checkpoint.hf_export import read_model_record
-from titan_ulysses.data.tokenizer import build_tokenizer
+from titan_ulysses.data.tokenizer import ByteTokenizer, build_tokenizer
 from titan_ulysses.models.hf_config import describe
 
 
 @pytest.mark.slow
-def test_bug1_a_run_from_an_extended_checkpoint_keeps_its_rope_scaling(fx, tmp_path, train_main):
-    """SFT after context extension (and the model-only flavor run) starts with the recorded scaling, says so,
-    and records it again; before, it started with plain RoPE and recorded rope_scaling None."""
+def test_bug1_the_dry_run_from_an_extended_checkpoint_shows_its_rope_scaling(fx, tmp_path, train_main):
+    """The dry run from a checkpoint extended from a folder or a flavor names the recorded scaling (it showed the
+    config's model: plain RoPE)."""
     for name in ("extended_flavor", "extended_hf"):
         recorded = read_model_record(fx[name])[0]
         assert recorded.rope_scaling is not None and recorded.rope_scaling.factor == 4.0
@@ -32,8 +32,19 @@ def test_bug1_a_run_from_an_extended_checkpoint_keeps_its_rope_scaling(fx, tmp_p
                                      "--checkpoint.initial_load_path", fx[name], "--dry-run"])
         assert code == 0, err
         assert describe(recorded) in out, out
+
+
+@pytest.mark.slow
+def test_bug1_a_run_from_an_extended_checkpoint_keeps_its_rope_scaling(fx, tmp_path, capfd):
+    """The model-only flavor run from an extended checkpoint (SFT after context extension) starts with the
+    recorded scaling, names it and the tokenizer on its start-up line, and records the scaling again."""
     dump = tmp_path / "sft"
+    capfd.readouterr()
     _run(["--checkpoint.initial_load_path", fx["extended_flavor"]], dump)
+    startup = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("titan-ulysses:"))
+    recorded = read_model_record(fx["extended_flavor"])[0]
+    # the start-up line names the recorded model and the tokenizer (bug 2: it did not name the tokenizer)
+    assert describe(recorded) in startup and f"tokenizer byte ({ByteTokenizer.vocab_size} ids" in startup, startup
     again = read_model_record(str(dump / "checkpoint" / "step-1"))[0]
     assert again.rope_scaling == read_model_record(fx["extended_flavor"])[0].rope_scaling
 
