@@ -137,3 +137,23 @@ def test_a_resume_refuses_a_changed_model_setting_and_names_an_override(fx, tmp_
 def test_override_recorded_names_only_recorded_settings():
     with pytest.raises(ConfigError, match="^checkpoint.override_recorded names 'optimizer.lr', which no record holds"):
         resolve_run(load_config(["--checkpoint.override_recorded", "optimizer.lr"]), tokenizer=False)
+
+
+def test_resume_changes_sort_what_the_model_computes_from_how_it_runs():
+    """--model.rope_scaling_factor 4 on resume (issue 33 item 5) is refused like lora.alpha; layout, AC and compile
+    changes are applied and named; checkpoints older than a saved setting do not compare it."""
+    from titan_ulysses.config.resume import overrides, resume_changes, resume_settings
+
+    saved = resume_settings(load_config([]))
+    argv = ["--model.rope_scaling_factor", "4", "--parallelism.ulysses_degree", "2", "--compile.enable", "true",
+            "--activation_checkpoint.mode", "selective"]
+    with pytest.raises(ConfigError, match=r"\(model.rope_scaling_factor 0.0 -> 4.0\): set them back, or resume on "
+                                          r"purpose with --checkpoint.override_recorded model.rope_scaling_factor$"):
+        resume_changes(saved, resume_settings(load_config(argv)))
+    config = load_config([*argv, "--checkpoint.override_recorded", "model.rope_scaling_factor"])
+    said = resume_changes(saved, resume_settings(config), overrides(config))
+    assert said == ("overridden (checkpoint.override_recorded): model.rope_scaling_factor 0.0 -> 4.0; the layout "
+                    "changes parallelism.ulysses_degree 1 -> 2, activation_checkpoint.mode none -> selective, "
+                    "compile.enable False -> True")
+    older = {k: v for k, v in saved.items() if not k.startswith(("model.", "parallelism.", "compile."))}
+    assert resume_changes(older, resume_settings(config)).startswith("the layout changes activation_checkpoint.mode")
