@@ -36,6 +36,7 @@ from titan_ulysses.checkpoint.weight_source import adopt_start_record, hf_weight
 from titan_ulysses.config.job_config import JobConfig, parse_lora_targets
 from titan_ulysses.config.manager import ConfigError, check_config, check_requirements, resolved_global_batch_size
 from titan_ulysses.data.build import check_dataset_files
+from titan_ulysses.data.datasets import check_passkey_fits
 from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.data.sharding import check_seq_len
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
@@ -158,6 +159,12 @@ def check_files(config: JobConfig) -> None:
             check_dcp_model_shapes(c.initial_load_path, args)
         except (OSError, ValueError) as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}") from e
+    t, v = config.training, config.validation
+    if "passkey" in (t.dataset, (v.dataset or t.dataset) if v.enable else None):
+        try:  # a sample is built in the data loader's workers, where a refusal would be a traceback
+            check_passkey_fits(load_tokenizer(config), t.seq_len, t.passkey_digits)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
 
 
 def check_launch(config: JobConfig) -> tuple[ParallelDims, str | None]:
