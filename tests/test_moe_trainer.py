@@ -46,3 +46,22 @@ def test_moe_trains_logs_its_router_and_resumes_at_another_ep_degree(tmp_path):
     for step in (3, 4):  # only the order of float sums differs between the two layouts
         for key in ("loss", "aux_loss", "grad_norm"):
             assert abs(after[step][key] - whole[step][key]) <= 1e-4 * abs(whole[step][key]), (step, key)
+
+
+def test_router_aux_loss_coef_overrides_config_json(tmp_path):
+    """Released MoE configs say output_router_logits false (no load-balancing loss, as transformers trains
+    them); model.router_aux_loss_coef turns it on, and is refused where it cannot mean anything."""
+    from titan_ulysses.config.manager import ConfigError, load_config
+    from titan_ulysses.models.resolve import model_args
+
+    hf = hf_moe("qwen3_moe")
+    hf.config.output_router_logits = False
+    hf.save_pretrained(tmp_path / "hf")
+    base = ["--model.hf_assets_path", str(tmp_path / "hf")]
+    assert model_args(load_config(base)).moe.aux_loss_coef == 0.0  # config.json's: off
+    assert model_args(load_config(base + ["--model.router_aux_loss_coef", "0.001"])).moe.aux_loss_coef == 0.001
+    with pytest.raises(ConfigError, match=r"^model.router_aux_loss_coef -0.5: -1 \(config.json's\), 0 \(off\) or a "):
+        model_args(load_config(base + ["--model.router_aux_loss_coef", "-0.5"]))
+    with pytest.raises(ConfigError, match=r"^model.router_aux_loss_coef 0.01: model.flavor 'debugmodel' has no "
+                                          r"experts; leave it at -1$"):
+        model_args(load_config(["--model.router_aux_loss_coef", "0.01"]))
