@@ -13,6 +13,12 @@ estimate (``planning/estimate.py``, ``planning/recommend.recommend``: the same s
 kernel rates measured in docs/benchmarks.md (bf16 matmul and cuDNN attention on an H200),
 with communication, the optimizer and every other kernel left out: an upper bound. The
 measured compiled Llama-3-8B 128K step (docs/benchmarks.md) reached 3673 tokens/s per device.
+
+The layout is the fewest ranks per sequence that fit (memory only): for Llama-3-8B at 128K on 8
+GPUs of 80 GiB that is ``ulysses_degree 1`` (dp_shard 8) with full AC and a tiled MLP, at 59 GiB.
+``train_configs/llama3_8b_128k.toml`` ships sp=8 instead (32 GiB): the headroom buys selective AC
+(no recomputed forward), a global batch of one sequence, and sequences to about 900K tokens.
+docs/parallelism.md, "When sp wins", has the figures.
 """
 
 from __future__ import annotations
@@ -134,6 +140,8 @@ def main(argv=None) -> int:
             f.write(toml)
         print(f"# written to {a.out}")
     print(f"layout {dims.degrees}; memory per device by phase (estimate; total = the largest):")
+    print("  (the fewest ranks per sequence that fit; a larger ulysses_degree leaves room for selective AC, "
+          "a smaller global batch and longer sequences: docs/parallelism.md, 'When sp wins')")
     for name, value in est.phases.items():
         print(f"  {name:<24} {value / GIB:8.2f} GiB{'  <- peak' if name == est.peak_phase else ''}")
     print(f"  {'total':<24} {est.total / GIB:8.2f} GiB of {a.gpu_memory_gib:g}")

@@ -123,7 +123,7 @@ class Training:
     passkey_digits: int = 5
     """Digits of the "passkey" dataset's key (1 to 9). Copying a multi-digit key needs induction
     heads, which a small model forms only after far more tokens than a CPU run sees; one digit is
-    found by a single content-matching head (docs/guide.md, section 4)."""
+    found by a single content-matching head (docs/context_extension.md)."""
     seq_len: int = 2048
     """Tokens per sample; must divide by ulysses_degree (by 2 x context_parallel_degree x ulysses_degree with cp)."""
     local_batch_size: int = 1
