@@ -24,7 +24,12 @@ class Model:
     `huggingface-cli download` leaves it. When set, the architecture (any family of models/registry.py
     and every shape) comes from its config.json and model.name / model.flavor are not used.
     A run with no checkpoint of its own starts from its *.safetensors weights unless
-    checkpoint.initial_load_in_hf = false (architecture only) or checkpoint.initial_load_path is set."""
+    checkpoint.initial_load_in_hf = false (architecture only) or checkpoint.initial_load_path is set.
+    A Hub id (org/name, e.g. "Qwen/Qwen3-8B") that is not a folder here is downloaded through
+    huggingface_hub into its cache (HF_HOME, HF_HUB_OFFLINE, HF_TOKEN; local rank 0 of each node
+    downloads, the others wait) and read from there (docs/hub.md)."""
+    hf_revision: str = ""
+    """With a Hub id in hf_assets_path: the branch, tag or commit to read ("": the default branch)."""
     attn_backend: str = "sdpa"
     """Local attention inside Ulysses and cp: sdpa, flex or flash_attn (CUDA); what each can do
     (CPU training, documents, windows, softcap, cp) is in titan_ulysses/ops/attention/registry.py."""
