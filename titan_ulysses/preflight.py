@@ -37,6 +37,7 @@ from titan_ulysses.checkpoint.weight_source import adopt_start_record, hf_weight
 from titan_ulysses.config.job_config import JobConfig, parse_lora_targets
 from titan_ulysses.config.manager import ConfigError, check_config, check_requirements, resolved_global_batch_size
 from titan_ulysses.data.build import check_dataset_files
+from titan_ulysses.data.hf_datasets import training_dataset_path
 from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.data.sharding import check_seq_len
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
@@ -227,7 +228,7 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
 
 def _datasets(config: JobConfig) -> list[tuple[str, str, str]]:
     t, v = config.training, config.validation
-    out = [("training", t.dataset, t.dataset_path)]
+    out = [("training", t.dataset, training_dataset_path(t))]
     if v.enable:
         out.append(("validation", v.dataset or t.dataset, v.dataset_path))
     return out

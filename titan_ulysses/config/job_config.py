@@ -98,12 +98,35 @@ class Parallelism:
 
 
 @dataclass
+class HFDataset:
+    """[training.hf_dataset]: the training rows from the `datasets` library instead of local files."""
+
+    name: str = ""
+    """A `datasets` name (org/name, from the Hub or its cache) or a local folder (one that
+    Dataset.save_to_disk wrote, or data files load_dataset reads); "" = off. Short form:
+    training.dataset_path = "hf:NAME" (validation.dataset_path too, "hf:NAME:SPLIT" for a split)."""
+    config: str = ""
+    """The dataset's configuration (subset); "" = its default."""
+    split: str = "train"
+    """The split whose rows are read, in their order."""
+    column: str = ""
+    """The field holding each row's text (dataset "text") or messages (dataset "sft"); "" = the
+    rows' own fields, as in a .jsonl file ("text"; "messages" or "prompt" / "completion")."""
+    streaming: bool = False
+    """Refused: the token store tokenizes every row once before the first step, so that every
+    layout reads the same global order; a streamed split has no length to cut into work items."""
+
+
+@dataclass
 class Training:
     dataset: str = "passkey"
     """"passkey" (synthetic long-context retrieval), "text" (pretraining on local .txt/.jsonl/.parquet)
     or "sft" (supervised fine-tuning on .jsonl/.parquet rows of prompt/completion or messages)."""
     dataset_path: str = ""
-    """File or folder of the "text" or "sft" dataset."""
+    """File or folder of the "text" or "sft" dataset, or "hf:NAME" for a `datasets` name or folder
+    (its "train" split; the [training.hf_dataset] table for the other options; docs/hub.md)."""
+    hf_dataset: HFDataset = field(default_factory=HFDataset)
+    """The rows from the `datasets` library (a table of its own: name, config, split, column, streaming)."""
     dataset_cache_dir: str = ""
     """Where the tokenized corpus is cached; "" = a .titan_cache folder beside (or inside) dataset_path."""
     packing: bool = True
