@@ -169,11 +169,19 @@ def _train(home, model, dump, *extra):
 @pytest.mark.slow
 def test_train_from_hub_id_equals_from_folder(hub_home, tmp_path):
     home, folder = hub_home
-    by_id, by_folder = _train(home, REPO, tmp_path / "id"), _train(home, folder, tmp_path / "folder")
+    lora = ["--lora.rank", "2", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    by_id, by_folder = _train(home, REPO, tmp_path / "id", *lora), _train(home, folder, tmp_path / "folder", *lora)
     assert by_id.returncode == 0 and by_folder.returncode == 0, by_id.stderr[-2000:] + by_folder.stderr[-2000:]
     losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
               for d in ("id", "folder")]
     assert len(losses[0]) == 2 and losses[0] == losses[1], losses  # bit for bit: the same weights
+    # the LoRA export names the base as it was given: the Hub id, for peft to fetch
+    out = tmp_path / "adapter"
+    export = subprocess.run([sys.executable, "scripts/export_hf.py", "--checkpoint", str(tmp_path / "id" / "checkpoint"
+                             / "step-2"), "--output", str(out), "--adapter-only"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert export.returncode == 0, export.stderr[-2000:]
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == REPO
     missing = _train(home, "nobody/nothing", tmp_path / "missing")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert missing.stderr.strip().splitlines() == [missing.stderr.strip()] and "'nobody/nothing'" in missing.stderr
