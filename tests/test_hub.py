@@ -157,8 +157,19 @@ def test_local_ranks_open_local_rank_0s_commit(offline, monkeypatch):
     os.remove(hub._marker_path(REPO, None))
 
 
+def _single_rank_env(**extra) -> dict:
+    """A world of one on a free port: plain `python train.py` would take 29500, which other runs may hold."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+            "PYTHONPATH": ROOT, **extra}
+
+
 def _train(home, model, dump, *extra):
-    env = {**os.environ, "HF_HOME": home, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    env = _single_rank_env(HF_HOME=home, HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "train.py", "--model.hf_assets_path", model, "--model.tokenizer", "hf",
            "--parallelism.ulysses_degree", "1", "--training.seq_len", "64", "--training.local_batch_size", "2",
            "--training.steps", "2", "--training.passkey_digits", "1", "--training.mixed_precision_param", "float32",

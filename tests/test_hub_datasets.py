@@ -130,17 +130,26 @@ def test_data_refusals_name_the_setting_in_one_line(corpus, tmp_path):
 @pytest.mark.slow
 def test_training_from_a_datasets_folder_equals_the_jsonl(corpus, tmp_path):
     """train.py end to end: the same losses from the save_to_disk folder as from the .jsonl."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1"}
-
     def train(path, name):
         cmd = [sys.executable, "train.py", "--config", "train_configs/debug_model.toml", "--training.dataset", "text",
                "--training.dataset_path", path, "--training.seq_len", "64", "--training.local_batch_size", "2",
                "--training.steps", "2", "--parallelism.ulysses_degree", "1", "--checkpoint.enable", "false",
                "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path / name),
                "--training.dataset_cache_dir", str(tmp_path / "stores")]
+        env = _single_rank_env(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         return [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
     assert train(f"hf:{corpus['saved']}?column=body", "hf") == train(corpus["text_jsonl"], "jsonl")
+
+
+def _single_rank_env(**extra) -> dict:
+    """A world of one on a free port: plain `python train.py` would take 29500, which other runs may hold."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+            "PYTHONPATH": ROOT, **extra}
