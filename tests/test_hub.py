@@ -199,3 +199,18 @@ def test_train_from_hub_id_equals_from_folder(hub_home, tmp_path):
     dry = _train(home, REPO, tmp_path / "dry", "--dry-run", "--world-size", "1")
     assert dry.returncode == 0 and "models--tiny-org--tiny-llama" in dry.stdout, dry.stderr[-2000:]
     shutil.rmtree(tmp_path / "id", ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_share_local_rank_0s_snapshot(hub_home, tmp_path):
+    """Two ranks under torchrun, offline: rank 1 waits for rank 0's marker and reads the same snapshot."""
+    home, _ = hub_home
+    env = {**os.environ, "HF_HOME": home, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
+           "--model.hf_assets_path", REPO, "--model.tokenizer", "hf", "--parallelism.ulysses_degree", "2",
+           "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "1",
+           "--training.passkey_digits", "1", "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"weights from the Hugging Face folder {home}/hub/models--tiny-org--tiny-llama/snapshots/{MAIN}" in (
+        proc.stdout)

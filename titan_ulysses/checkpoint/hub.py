@@ -31,6 +31,7 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "tokenizer*",
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[0-9a-f]{40}/?$")
 WAIT_POLL_S = 0.5
+MARKER_KEEP_S = 86400
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,15 @@ def _marker_path(repo_id: str, revision: str | None) -> str:
 
 
 def _write_marker(path: str, record: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    """Atomically, so a waiting rank never reads half of it; markers older than a day are removed."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    for name in os.listdir(folder):
+        try:
+            if time.time() - os.path.getmtime(os.path.join(folder, name)) > MARKER_KEEP_S:
+                os.remove(os.path.join(folder, name))
+        except OSError:
+            pass  # another node's rank 0 removed it first
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(record, f)
