@@ -45,6 +45,7 @@ import dataclasses
 import json
 import sys
 
+from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.planning.estimate import estimate, largest_seq_len
 from titan_ulysses.planning.inputs import GIB, Switches, from_config
@@ -181,6 +182,7 @@ def main(argv=None) -> int:
     config_argv = ["--config", a.config, *overrides]
     try:
         config = load_config(config_argv)
+        resolve_hf_assets(config)  # a Hub id -> its snapshot folder
         dims = validate(config, a.world_size)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from e

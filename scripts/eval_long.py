@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from titan_ulysses.checkpoint.eval_model import check_weights, load_eval_model, weights_kind
 from titan_ulysses.checkpoint.verify import verify_checkpoint
+from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.sources import DataError, list_files, read_rows, text_field, work_items
@@ -224,6 +225,7 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config = load_config(["--config", a.config, *overrides])
+        resolve_hf_assets(config)  # a Hub id -> its snapshot folder
         seq_len = a.seq_len or config.training.seq_len
         config.training.seq_len = seq_len
         pd = validate(config, world)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ulysses.checkpoint.eval_model import check_weights, load_eval_model
+from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.chat import load_chat_template
 from titan_ulysses.data.sharding import shard_batch
@@ -85,6 +86,7 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config = load_config(["--config", a.config, *overrides])
+        resolve_hf_assets(config)  # a Hub id -> its snapshot folder
         pd = validate(config, world)
         tokenizer = resolve_tokenizer(config.model)
         args = model_args(config, tokenizer.vocab_size)

@@ -55,6 +55,7 @@ def tokens_per_second(args, seq_len: int, ac_mode: str, matmul_tflops: float) ->
 
 def plan_config(a):
     """The JobConfig of the plan, its layout and the memory estimate, or SystemExit naming why not."""
+    from titan_ulysses.checkpoint.hub import resolve_hf_assets
     from titan_ulysses.config.manager import ConfigError, _set, load_config
     from titan_ulysses.data.sources import DataError
     from titan_ulysses.preflight import check_files, validate
@@ -69,6 +70,7 @@ def plan_config(a):
         "--model.flavor", a.flavor]
     try:
         config = load_config(base)
+        resolve_hf_assets(config)  # a Hub id -> its snapshot folder
         dims = validate(config, a.gpus)  # the trainer's pre-flight: what it refuses is not planned for
         check_files(config)
         args, layout, switches = from_config(config, dims)
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--flavor", help="a named size: debugmodel, 1B, 3B, 8B, 70B")
-    model.add_argument("--hf-assets-path", help="a Hugging Face model folder (its config.json)")
+    model.add_argument("--hf-assets-path", help="a Hugging Face model folder (its config.json) or a Hub id (org/name)")
     p.add_argument("--seq-len", type=int, required=True, help="target training.seq_len")
     p.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100: 80, H200: 141)")

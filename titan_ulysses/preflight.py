@@ -31,12 +31,14 @@ import torch.distributed as dist
 from titan_ulysses.checkpoint.folders import output_folders_problem
 from titan_ulysses.checkpoint.hf import check_hf_weights
 from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
+from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.checkpoint.verify import ALL
 from titan_ulysses.checkpoint.weight_source import adopt_start_record, hf_weights_wanted
 from titan_ulysses.config.job_config import JobConfig, parse_lora_targets
 from titan_ulysses.config.manager import ConfigError, check_config, check_requirements, resolved_global_batch_size
 from titan_ulysses.data.build import check_dataset_files
 from titan_ulysses.data.datasets import check_passkey_fits
+from titan_ulysses.data.hf_datasets import training_dataset_path
 from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.data.sharding import check_seq_len
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
@@ -171,10 +173,12 @@ def check_launch(config: JobConfig) -> tuple[ParallelDims, str | None]:
     """Every check a launch makes before it joins the process group, in the order that matters;
     returns the layout and the start record's note for the start-up line.
 
-    The start checkpoint's record first (it may give the architecture), the dataset files before
+    A Hub id in ``model.hf_assets_path`` first becomes its snapshot folder (``checkpoint/hub.py``);
+    then the start checkpoint's record (it may give the architecture), the dataset files before
     the layout (a layout error must not hide a missing file), then ``validate``, ``check_files``
     and the output folder.
     """
+    resolve_hf_assets(config)  # a Hub id -> its snapshot folder, before anything reads it
     note = adopt_start_record(config)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     check_dataset_files(config)
@@ -214,6 +218,7 @@ def load_tokenizer(config: JobConfig):
 def plan(config: JobConfig, world_size: int, device_gib: float | None = None) -> str:
     """Every pre-launch check for ``world_size`` ranks, then the plan (``planning/dry_run.py``) as text, or a
     ConfigError / DataError."""
+    resolve_hf_assets(config)  # a Hub id -> its snapshot folder (downloaded unless HF_HUB_OFFLINE)
     # as the trainer: the start checkpoint may give the architecture; verified whole here (one process)
     record_note = adopt_start_record(config, shards=ALL)
     dims = validate(config, world_size)
@@ -230,7 +235,7 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
 
 def _datasets(config: JobConfig) -> list[tuple[str, str, str]]:
     t, v = config.training, config.validation
-    out = [("training", t.dataset, t.dataset_path)]
+    out = [("training", t.dataset, training_dataset_path(t))]
     if v.enable:
         out.append(("validation", v.dataset or t.dataset, v.dataset_path))
     return out
