@@ -7,7 +7,10 @@
         --parallelism.ulysses_degree 1 --validate
 
 The model of what is kept is ``titan_ulysses/planning/estimate.py`` (docs/memory_model.md). The
-recommendation tries the ranks per sequence smallest first (Ulysses where the heads allow,
+recommendation tries the ranks per sequence smallest first (fewest exchanges; it weighs memory only,
+so Llama-3-8B at 128K on 8 GPUs gets ``ulysses_degree 1`` with full AC and a tiled MLP, while the
+shipped config runs sp=8: half the memory, room for selective AC, one sequence per step --
+docs/parallelism.md, "When sp wins") (Ulysses where the heads allow,
 ulysses x context_parallel where they do not, on every attention backend the registry says runs
 under cp) and adds memory
 switches in the order of the user guide until the estimate fits in 90% of the device
@@ -42,6 +45,7 @@ import dataclasses
 import json
 import sys
 
+from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.planning.estimate import estimate, largest_seq_len
 from titan_ulysses.planning.inputs import GIB, Switches, from_config
@@ -178,6 +182,7 @@ def main(argv=None) -> int:
     config_argv = ["--config", a.config, *overrides]
     try:
         config = load_config(config_argv)
+        resolve_hf_assets(config)  # a Hub id -> its snapshot folder
         dims = validate(config, a.world_size)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from e
@@ -232,6 +237,8 @@ def main(argv=None) -> int:
         print(f"no ulysses_degree within {a.world_size} GPUs and no switch makes seq_len {t.seq_len} fit")
     else:
         print(f"recommended: {' '.join(rec[1])}  ({rec[2].total / GIB:.1f} GiB)")
+        print("  (the fewest ranks per sequence that fit; a larger ulysses_degree leaves room for selective AC, "
+              "a smaller global batch and longer sequences: docs/parallelism.md, 'When sp wins')")
     if "tracked" in result:
         tr = result["tracked"]
         print(f"CPU tracker (fake tensors): device peak {tr['measured'] / GIB:.2f} GiB in {tr['phase']}; estimate "

@@ -7,6 +7,8 @@ and passkey / multi-key needle retrieval in real text, with the run's own tokeni
 
 The model is laid out as the config says (Ulysses, context parallelism, FSDP, tensor
 parallelism; ``--section.key value`` overrides), so a length that trained evaluates.
+``--checkpoint`` may also be a Hugging Face folder of the config's shapes (e.g. its
+``model.hf_assets_path``): the same numbers for the model before training.
 
 * Loss by position: documents of ``--data`` (.txt files, .jsonl/.parquet rows with "text", other files whole)
   with at least ``--seq-len + 1`` tokens, each cut to one window of ``--seq-len``; the mean
@@ -32,17 +34,18 @@ import sys
 import torch
 import torch.distributed as dist
 
-from titan_ulysses.checkpoint.eval_model import load_eval_model
+from titan_ulysses.checkpoint.eval_model import check_weights, load_eval_model, weights_kind
 from titan_ulysses.checkpoint.verify import verify_checkpoint
+from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.sources import DataError, list_files, read_rows, text_field, work_items
 from titan_ulysses.data.tokenizer import resolve_tokenizer
+from titan_ulysses.distributed.setup import init_distributed
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.loss import IGNORE_INDEX
 from titan_ulysses.preflight import validate
-from titan_ulysses.trainer import init_distributed
 
 NAMES = ["Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jules", "Kofi", "Lena",
          "Mateo", "Nadia", "Oscar", "Priya"]
@@ -51,7 +54,8 @@ NAMES = ["Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "I
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the training config (model, tokenizer and layout)")
-    p.add_argument("--checkpoint", required=True, help="a step-N checkpoint folder")
+    p.add_argument("--checkpoint", required=True, help="a step-N checkpoint folder, or a Hugging Face folder "
+                   "(its safetensors: e.g. model.hf_assets_path, the model before training)")
     p.add_argument("--data", required=True, help="held-out text, comma-separated: .txt/.jsonl/.parquet files or "
                    "folders of them; any other file is one plain-text document")
     p.add_argument("--seq-len", type=int, default=0, help="window length (default: the config's training.seq_len)")
@@ -70,8 +74,9 @@ def parse_args(argv):
     for name in ("buckets", "max_docs", "needle_samples"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 1")
-    try:  # before anything reads it: each process checks it whole
-        verify_checkpoint(a.checkpoint, "--checkpoint")
+    try:  # before anything reads it: each process checks a checkpoint whole (a Hugging Face folder has no manifest)
+        if weights_kind(a.checkpoint) != "hf":
+            verify_checkpoint(a.checkpoint, "--checkpoint")
     except (OSError, ValueError) as e:
         raise SystemExit(f"eval_long: {e}") from e
     return a, overrides
@@ -220,10 +225,13 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config = load_config(["--config", a.config, *overrides])
+        resolve_hf_assets(config)  # a Hub id -> its snapshot folder
         seq_len = a.seq_len or config.training.seq_len
         config.training.seq_len = seq_len
         pd = validate(config, world)
         tokenizer = resolve_tokenizer(config.model)  # the run's tokenizer, resolved as train.py resolves it
+        args = model_args(config, tokenizer.vocab_size)
+        check_weights(a.checkpoint, args)
         docs = read_documents(a.data, tokenizer)
     except (ConfigError, DataError) as e:
         raise SystemExit(f"eval_long: {e}") from e
@@ -233,7 +241,6 @@ def main(argv=None) -> int:
         needle_window(tokenizer, filler, seq_len, k, 0)
     device = init_distributed()
     pd.build_mesh(device.type)
-    args = model_args(config, tokenizer.vocab_size)
     model = load_eval_model(args, ComputeOptions.from_config(config.model), pd, device, a.checkpoint)
     result = {"checkpoint": a.checkpoint, "config": a.config, "overrides": overrides, "data": a.data,
               "layout": pd.degrees, "seq_len": seq_len, "needle_samples": a.needle_samples,

@@ -38,15 +38,16 @@ import torch.distributed as dist
 from titan_ulysses.checkpoint.eval_model import load_eval_model
 from titan_ulysses.checkpoint.hf_export import ASSETS, read_data_settings, read_model_record
 from titan_ulysses.checkpoint.verify import verify_checkpoint
+from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.datasets import make_passkey_tokens, random_passkey
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
+from titan_ulysses.distributed.setup import init_distributed
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.loss import IGNORE_INDEX
 from titan_ulysses.preflight import validate
-from titan_ulysses.trainer import init_distributed
 
 
 def parse_args(argv):
@@ -202,6 +203,7 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config = load_config(["--config", a.config, *overrides])
+        resolve_hf_assets(config)  # a Hub id -> its snapshot folder
         settings, notes = apply_record(config, a.checkpoint, overrides)
         pd = validate(config, world)
     except ConfigError as e:

@@ -62,13 +62,12 @@ def train_worker(argv, hooks=None):
     if hooks == "sigterm_rank0_at_2" and dist.get_rank() == 0:
         step_fn = trainer.train_step
 
-        def step_then_signal(data_iter):
-            out = step_fn(data_iter)
-            if trainer.step == 1:  # the step about to finish is step 2
+        def signal_then_step(data_iter):
+            if trainer.step == 1:  # step 2 is starting: its guard sees the signal
                 os.kill(os.getpid(), signal.SIGTERM)
-            return out
+            return step_fn(data_iter)
 
-        trainer.train_step = step_then_signal
+        trainer.train_step = signal_then_step
     if hooks == "nan_at_3":
         step_fn = trainer.train_step
 

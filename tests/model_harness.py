@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -9,7 +11,7 @@ from dist_utils import assert_close
 
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.distributed.utils import dist_sum, global_token_count, load_full_state_dict
+from titan_ulysses.distributed.utils import forward_backward, load_full_state_dict
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
@@ -99,8 +101,27 @@ def reference_step(ref: Transformer, inputs, labels, microbatches: int = 1):
     return total
 
 
+@contextlib.contextmanager
+def logits_kept(model, kept: list):
+    """While open, each forward of ``model`` also appends its logits (detached, this rank's tokens)
+    to ``kept``; the loss and its gradients still come from the model's own ``head``."""
+    head = model.head
+
+    def keeping(h, weight, labels=None):
+        with torch.no_grad():
+            kept.append(head(h.detach(), weight.detach()))  # [B, S/P, vocab]
+        return head(h, weight, labels)
+
+    model.head = keeping  # an instance attribute over the class's method
+    try:
+        yield kept
+    finally:
+        del model.head
+
+
 def parallel_step(model, pd: ParallelDims, inputs, labels, microbatches: int = 1):
-    """This rank's share of the global batch, sharded over dp then cp x sp; returns (global loss, logits).
+    """This rank's share of the global batch, sharded over dp then cp x sp, through the trainer's own
+    ``forward_backward``; returns (global loss, logits).
 
     Logits are in this rank's token order (``shard_batch(...).index``: load-balanced with cp).
     """
@@ -112,15 +133,9 @@ def parallel_step(model, pd: ParallelDims, inputs, labels, microbatches: int = 1
         shard_batch(i, lab, sp_rank, sp, cp_rank=cp_rank, cp=cp)
         for i, lab in zip(local_in.chunk(microbatches), local_lab.chunk(microbatches))
     ]
-    n_tokens = global_token_count([mb.labels for mb in mbs], pd.get_mesh("loss"))
-    total, logits = 0.0, []
-    for mb in mbs:
-        out = model(mb.tokens, positions=mb.positions)
-        loss = cross_entropy_sum(out, mb.labels) / n_tokens
-        loss.backward()
-        total += loss.detach()
-        logits.append(out.detach())
-    return dist_sum(torch.as_tensor(total), pd.get_mesh("loss")), logits
+    with logits_kept(model, []) as logits:
+        loss = forward_backward(model, mbs, pd.get_mesh("loss")).loss
+    return loss, logits
 
 
 def assert_step_matches(ref: Transformer, model, pd: ParallelDims, inputs, labels) -> None:

@@ -3,6 +3,7 @@ performance figures come from running the scripts, see docs/benchmarks.md)."""
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -11,7 +12,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import bench_attention  # noqa: E402
 import bench_train  # noqa: E402
+import make_tiny_hf  # noqa: E402
 import max_seq_len  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_attention_measures_every_backend(tmp_path, capsys):
@@ -50,3 +54,16 @@ def test_bench_train_runs_a_cell_and_reports_it(capsys):
                       "--extra", "--parallelism.ulysses_degree 1"])
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("off")][0]
     assert line.split()[:3] == ["off", "fp32", "full"] and line.endswith("ok"), line
+
+
+def test_bench_step_overhead_times_both_sides_and_prints_the_ratio(tmp_path):
+    folder = str(tmp_path / "tiny")
+    assert make_tiny_hf.main(["llama", folder]) == 0
+    # its own process: the trainer joins a process group of one
+    proc = subprocess.run([sys.executable, "scripts/bench_step_overhead.py", "--hf-folder", folder, "--seq-len", "64",
+                           "--rounds", "1", "--warmup", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    for line in ("  ours step", "  bare step", "around the model", "ratio ours / bare, whole step:",
+                 "around the model, ours - bare:", "device: CPU", "command: python scripts/bench_step_overhead.py"):
+        assert line in out, out

@@ -63,14 +63,14 @@ def test_the_decoder_and_the_families_are_not_distributed():
 
 
 STEP_TIME = ("config", "models", "distributed", "ops", "data", "checkpoint", "metrics", "integrations")
-"""The packages a training step runs (and ``optim.py``, ``validate.py``)."""
+"""The packages a training step runs (and ``optim.py``, ``heldout.py``)."""
 PLANNING_USES = {"config", "models", "distributed", "ops", "data", "checkpoint", "optim", "planning"}
 """What the planner may import: the packages whose behaviour it models or reads, and itself."""
 
 
 def test_no_step_time_module_imports_the_planner():
     paths = [p for folder in STEP_TIME for p in files(folder)]
-    paths += [os.path.join(PACKAGE, name) for name in ("optim.py", "validate.py")]
+    paths += [os.path.join(PACKAGE, name) for name in ("optim.py", "heldout.py")]
     assert len(paths) > 50
     for path in paths:
         planner = {n for n in imported(path) if n.startswith("titan_ulysses.planning")}

@@ -1,11 +1,13 @@
 """scripts/make_tiny_hf.py writes, for every family, a folder that transformers and this trainer both read alike.
 
 Per family: the config parses into the family's arguments and the weights load with the
-logits of transformers' forward; the chat template renders messages (content as a string
+logits of transformers' forward, on a sequence longer than every window (the Mistral folder's
+32-token window must change its logits); the chat template renders messages (content as a string
 or as a list of text parts) exactly as ``apply_chat_template`` does, and the SFT encoder puts
 the loss on the assistant turns only.
 """
 
+import dataclasses
 import importlib.util
 import os
 
@@ -25,6 +27,7 @@ spec = importlib.util.spec_from_file_location("make_tiny_hf", os.path.join(ROOT,
 make_tiny_hf = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(make_tiny_hf)
 
+SEQ = 80
 MESSAGES = [
     {"role": "user", "content": [{"type": "text", "text": "What is 53 + 5?"}]},
     {"role": "assistant", "content": "53 + 5 = 58."},
@@ -41,13 +44,21 @@ def test_tiny_folder_loads_renders_and_masks_like_transformers(family, tmp_path)
     assert args.family == family and args.n_layers == 2 and args.dim == 64
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert type(hf).__name__ == get_family(family).architecture
-    if not args.sliding_window:  # windows run on the attention backends that have them (README)
-        hf.config._attn_implementation = "eager"
-        model = build_model(args)
-        load_hf_weights(model, out)
-        tokens = torch.randint(1, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    hf.config._attn_implementation = "eager"
+    model = build_model(args)
+    load_hf_weights(model, out)
+    # longer than every window (Mistral's 32, Gemma 3's 64), so the windows mask something
+    tokens = torch.randint(1, args.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        torch.testing.assert_close(model(tokens), expected, rtol=1e-5, atol=1e-5)
+    if family == "mistral":  # the window is what sets this folder apart: without it the logits move
+        assert 0 < args.sliding_window == make_tiny_hf.WINDOW < SEQ
+        unwindowed = build_model(dataclasses.replace(args, sliding_window=0))
+        load_hf_weights(unwindowed, out)
         with torch.no_grad():
-            torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+            moved = (unwindowed(tokens) - expected).abs().max().item()
+        assert moved > 100 * 1e-5, moved
 
     reference = transformers.AutoTokenizer.from_pretrained(out)
     tokenizer = build_tokenizer("hf", out)

@@ -1,4 +1,4 @@
-"""AdamW and the warmup-stable-decay learning-rate schedule."""
+"""AdamW and the warmup-stable-decay learning-rate schedule; ``build_optimizers`` makes both from a job's config."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
                     betas: tuple[float, float], device_type: str) -> torch.optim.Optimizer:
     if name.lower() != "adamw":
         raise ValueError(f"optimizer.name {name!r} is not supported; use 'AdamW'")
-    # fused kernels on CUDA; foreach (multi-tensor) elsewhere
-    impl = {"fused": True} if device_type == "cuda" else {"foreach": True}
+    # Fused kernels where PyTorch has them (CUDA and CPU): one pass over each parameter and its
+    # state, no temporaries. On CPU, foreach (multi-tensor) makes a full-size temporary list per op:
+    # it was most of what our step cost beyond a bare loop (scripts/bench_step_overhead.py).
+    impl = {"fused": True} if device_type in ("cuda", "cpu") else {"foreach": True}
     # frozen parameters (the LoRA base) get no optimizer state
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl)
@@ -70,3 +72,19 @@ def apply_hyperparameters(optimizer, lr_scheduler: LambdaLR, lr: float, weight_d
     for group, value in zip(optimizer.param_groups, lrs):
         group["lr"] = value
     lr_scheduler._last_lr = lrs
+
+
+def build_optimizers(config, model: nn.Module, device: torch.device) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """The optimizer (``[optimizer]``) and its schedule (``[lr_scheduler]``, over ``training.steps``).
+    With FSDP CPU offload the optimizer steps on host-resident shards, so it is built for the host."""
+    o, s, t = config.optimizer, config.lr_scheduler, config.training
+    optimizer = build_optimizer(model, o.name, o.lr, o.weight_decay, o.eps, (o.beta1, o.beta2),
+                                "cpu" if t.enable_cpu_offload else device.type)
+    return optimizer, build_lr_scheduler(optimizer, t.steps, s.warmup_steps, s.decay_ratio, s.decay_type,
+                                         s.min_lr_factor)
+
+
+def follow_config(optimizer, lr_scheduler: LambdaLR, config) -> None:
+    """After a resume: the config's ``[optimizer]`` settings over the restored ones (:func:`apply_hyperparameters`)."""
+    o = config.optimizer
+    apply_hyperparameters(optimizer, lr_scheduler, o.lr, o.weight_decay, o.eps, (o.beta1, o.beta2))

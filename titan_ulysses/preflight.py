@@ -10,7 +10,8 @@ parallelism layout, this machine or the files the settings name is here:
 * ``check_files(config)``: the tokenizer files, the chat template of an SFT dataset, the
   Hugging Face weights' safetensors headers, the DCP metadata of ``checkpoint.initial_load_path``.
 
-The trainer runs both before it joins the process group.
+The trainer runs both, in ``check_launch``, before it joins the process group, and
+``check_device`` once it has.
 
 ``plan(config, world_size)`` is ``python train.py --config X --dry-run --world-size N``:
 the two above for ``N`` ranks and what a launch finds out only once started (the output folders
@@ -22,14 +23,22 @@ by phase, what is saved where).
 from __future__ import annotations
 
 import os
+import sys
+
+import torch
+import torch.distributed as dist
 
 from titan_ulysses.checkpoint.folders import output_folders_problem
 from titan_ulysses.checkpoint.hf import check_hf_weights
 from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
+from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.checkpoint.verify import ALL
 from titan_ulysses.checkpoint.weight_source import adopt_start_record, hf_weights_wanted
 from titan_ulysses.config.job_config import JobConfig, parse_lora_targets
 from titan_ulysses.config.manager import ConfigError, check_config, check_requirements, resolved_global_batch_size
+from titan_ulysses.data.build import check_dataset_files
+from titan_ulysses.data.datasets import check_passkey_fits
+from titan_ulysses.data.hf_datasets import training_dataset_path
 from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.data.sharding import check_seq_len
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
@@ -78,7 +87,7 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     except ValueError as e:
         raise ConfigError(f"{e} ({source})") from e
     try:
-        lora_targets = parse_lora_targets(config.lora.targets) if config.lora.rank > 0 else None
+        lora_targets = parse_lora_targets(config.lora.target_modules) if config.lora.rank > 0 else None
         check_moe(args, dims.ep, dims.tp, lora_targets, source)
     except ValueError as e:
         raise ConfigError(str(e)) from e
@@ -152,6 +161,50 @@ def check_files(config: JobConfig) -> None:
             check_dcp_model_shapes(c.initial_load_path, args)
         except (OSError, ValueError) as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}") from e
+    t, v = config.training, config.validation
+    if "passkey" in (t.dataset, (v.dataset or t.dataset) if v.enable else None):
+        try:  # a sample is built in the data loader's workers, where a refusal would be a traceback
+            check_passkey_fits(load_tokenizer(config), t.seq_len, t.passkey_digits)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+
+
+def check_launch(config: JobConfig) -> tuple[ParallelDims, str | None]:
+    """Every check a launch makes before it joins the process group, in the order that matters;
+    returns the layout and the start record's note for the start-up line.
+
+    A Hub id in ``model.hf_assets_path`` first becomes its snapshot folder (``checkpoint/hub.py``);
+    then the start checkpoint's record (it may give the architecture), the dataset files before
+    the layout (a layout error must not hide a missing file), then ``validate``, ``check_files``
+    and the output folder.
+    """
+    resolve_hf_assets(config)  # a Hub id -> its snapshot folder, before anything reads it
+    note = adopt_start_record(config)
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    check_dataset_files(config)
+    dims = validate(config, world_size)
+    check_files(config)
+    problem = output_folders_problem(config)
+    if problem:
+        raise ConfigError(problem)
+    return dims, note
+
+
+def check_device(config: JobConfig, dims: ParallelDims, device) -> None:
+    """The checks that need this rank's device, once it has joined the job: what the attention
+    backend cannot do on it (refused), and on CUDA rank 0's warning when the memory estimate
+    exceeds the device."""
+    try:
+        check_attention_settings(config.model.attn_backend, config.model.sdpa_backends, dims.cp, device.type)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if device.type == "cuda" and dist.get_rank() == 0:
+        from titan_ulysses.planning.recommend import memory_warning  # the planner only when it may speak
+
+        total = torch.cuda.get_device_properties(device).total_memory
+        warning = memory_warning(config, dims, dist.get_world_size(), total)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 
 def load_tokenizer(config: JobConfig):
@@ -165,6 +218,7 @@ def load_tokenizer(config: JobConfig):
 def plan(config: JobConfig, world_size: int, device_gib: float | None = None) -> str:
     """Every pre-launch check for ``world_size`` ranks, then the plan (``planning/dry_run.py``) as text, or a
     ConfigError / DataError."""
+    resolve_hf_assets(config)  # a Hub id -> its snapshot folder (downloaded unless HF_HUB_OFFLINE)
     # as the trainer: the start checkpoint may give the architecture; verified whole here (one process)
     record_note = adopt_start_record(config, shards=ALL)
     dims = validate(config, world_size)
@@ -181,7 +235,7 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
 
 def _datasets(config: JobConfig) -> list[tuple[str, str, str]]:
     t, v = config.training, config.validation
-    out = [("training", t.dataset, t.dataset_path)]
+    out = [("training", t.dataset, training_dataset_path(t))]
     if v.enable:
         out.append(("validation", v.dataset or t.dataset, v.dataset_path))
     return out

@@ -20,17 +20,19 @@ Flattened meshes derived from them, named by what they are for:
 Every dimension is always present in the mesh (size 1 when unused), so code can
 ask for ``mesh["sp"]`` without checking whether SP is on.
 
-Adding a dimension is three edits here and one ``apply_*`` function elsewhere
-(``cp`` was added exactly so; docs/guide.md, "Adding a mesh dimension", walks through it):
+Adding a dimension, as ``cp`` and ``ep`` were added (``docs/extending.md``, "Adding a mesh dimension"):
 
-1. add a degree field below, with a docstring, and its config name in ``SETTING_NAMES``;
-2. insert its name in ``MESH_DIMS`` at its place in the order;
-3. add it to the groups of ``FLATTENED`` that must span it (FSDP and loss reductions usually
-   do; data loading does not when its ranks share a sample);
-then write ``apply_x(model, mesh["x"])`` and call it from ``parallelize_decoder``.
-Range checks, the world-size check and its message, ``size``, ``build_mesh`` and the HSDP
-mesh are generic over ``MESH_DIMS`` / ``FLATTENED``; groups are named by role, not by the
-dimensions they span, so that no caller has to be renamed when a dimension joins a group.
+1. here: a degree field with its docstring and its config name in ``SETTING_NAMES``; its name in
+   ``MESH_DIMS`` (ranks of its own) or ``BORROWED`` (ranks of a group, as ``ep``); the groups of
+   ``FLATTENED`` that must span it (FSDP and loss reductions usually do, data loading does not when
+   its ranks share a sample). Range checks, the world-size check, ``size``, ``build_mesh`` and the HSDP
+   mesh follow from the tables;
+2. the setting: a field in ``config/job_config.py`` (its range checked with the layout, ``ranges.EXEMPT``)
+   passed to ``ParallelDims`` by ``preflight.validate``;
+3. ``apply_x(model, mesh["x"])`` in its own file, called on one line of ``models/decoder/parallelize.py``;
+4. where the dimension changes more than the model: the batch (``data/sharding.py``, if it splits the
+   sequence, as cp does), FSDP's meshes (``fsdp.py``, if parameters shard over it, as ep's experts do),
+   and the planner's ``Layout`` and terms (``planning/``), so the estimate and the dry run know it.
 No process group is created until :meth:`ParallelDims.build_mesh`.
 """
 

@@ -202,3 +202,12 @@ def apply_ulysses(model: nn.Module, sp_mesh: DeviceMesh) -> int:
     if wrapped == 0:
         raise ValueError("apply_ulysses found no `inner_attention` module to wrap in the model")
     return wrapped
+
+
+def stop_slice_checks(model: nn.Module) -> None:
+    """Turn :attr:`UlyssesAttention.check_slices` off everywhere in ``model``: for a caller whose
+    slices keep one shape once checked (the trainer, after its first step), the check would
+    be a host sync per forward that can no longer fail."""
+    for module in model.modules():
+        if isinstance(module, UlyssesAttention):
+            module.check_slices = False

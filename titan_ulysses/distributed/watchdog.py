@@ -10,7 +10,7 @@ The checkpoint manager's group keeps the longer timeout: writing a checkpoint ta
 Launcher death: ranks started by torchrun keep running when torchrun itself is killed
 (SIGKILL, an OOM kill), and a relaunch then races them in the same folder. Each rank
 watches its parent; when it is gone, the rank sends itself SIGTERM, which the trainer turns
-into "save at the end of this step and exit" (any rank's signal stops all of them).
+into "save at the end of this step (or the next) and exit" (any rank's signal stops all of them).
 """
 
 from __future__ import annotations

@@ -1,13 +1,17 @@
 """The metrics fan-out: rank 0 sends every record to each enabled logger (``metrics/loggers/``:
-console, metrics.jsonl, tensorboard, Weights & Biases); the other ranks log nothing."""
+console, metrics.jsonl, tensorboard, Weights & Biases); the other ranks log nothing.
+``build_metrics_logger`` makes the run's, agreeing on a refusal across ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 
 import torch
+import torch.distributed as dist
 
+from titan_ulysses.config.manager import ConfigError
 from titan_ulysses.metrics.loggers import build_loggers
 from titan_ulysses.metrics.loggers.jsonl import append_line  # noqa: F401  (its home before the loggers split)
 
@@ -52,3 +56,21 @@ class MetricsLogger:
         for logger in self.loggers:
             logger.close()
         self.loggers = []
+
+
+def build_metrics_logger(config, rank: int, resumed: bool) -> MetricsLogger:
+    """The run's loggers (``[metrics]``; rank 0's); a W&B start-up failure (no login) reaches every
+    rank as a ConfigError. Collective."""
+    from titan_ulysses.metrics.loggers.wandb_logger import WandbError
+
+    logger, error = None, None
+    try:
+        logger = MetricsLogger(config.job.dump_folder, rank, config.metrics, dataclasses.asdict(config),
+                               resumed=resumed)
+    except WandbError as e:
+        error = str(e)
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise ConfigError(box[0])
+    return logger

@@ -42,6 +42,14 @@ def model_args(config: JobConfig, vocab_size: int = 0) -> DecoderArgs:
         raise ConfigError(f"the tokenizer has {vocab_size} ids but {source} has vocab_size {args.vocab_size}")
     if m.rope_theta > 0:
         args = dataclasses.replace(args, rope_theta=m.rope_theta)
+    if m.router_aux_loss_coef != -1:
+        if m.router_aux_loss_coef < 0:
+            raise ConfigError(f"model.router_aux_loss_coef {m.router_aux_loss_coef:g}: -1 (config.json's), 0 (off) "
+                              f"or a positive weight")
+        if args.moe is None:
+            raise ConfigError(f"model.router_aux_loss_coef {m.router_aux_loss_coef:g}: {source} has no experts; "
+                              f"leave it at -1")
+        args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, aux_loss_coef=m.router_aux_loss_coef))
     # how the run computes (attention backend, tiles, chunks) is not here: ComputeOptions.from_config
     max_positions = read_hf_config(m.hf_assets_path).get("max_position_embeddings", 0) if m.hf_assets_path else 0
     try:

@@ -17,7 +17,7 @@ from titan_ulysses.ops.attention import get_backend
 BUDGET = 0.9  # of the device: the rest is the CUDA context, NCCL buffers, fragmentation
 
 
-SWITCH_ORDER = [  # (override, Switches change), cumulative, as in docs/guide.md section 3
+SWITCH_ORDER = [  # (override, Switches change), cumulative, as in docs/memory.md's table
     ("--model.loss_chunk_size 8192", {"loss_chunk_size": 8192}),
     ("--model.mlp_tile_size 8192", {"mlp_tile_size": 8192}),
     ("--activation_checkpoint.mode selective", {"ac_mode": "selective"}),

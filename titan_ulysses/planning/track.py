@@ -132,7 +132,7 @@ def _track(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, 
                     poller.phase = "forward"
                     first = torch._C._autograd._get_sequence_nr()
                     loss = model(mb.tokens, positions=mb.positions, labels=mb.labels) / 1000.0
-                    loss = loss + _router_loss(model, pd, args)
+                    loss = loss + _router_loss(model, pd, args, len(batches))
                     poller.forward_nodes = (first, torch._C._autograd._get_sequence_nr())
                     poller.phase = "loss backward"
                     loss.backward()
@@ -169,17 +169,20 @@ def _track(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, 
                       events=poller.events, thresholds=sorted(set(crossed)))
 
 
-def _router_loss(model, dims, args: DecoderArgs):
-    """A mixture of experts' load-balancing loss, as a step adds it (``distributed/utils.router_loss_share``; 0
-    where ``aux_loss_coef`` is 0). Either way the model's routing statistics are dropped: their graph -- under AC
-    every block's checkpointed inputs, which the unused branch never unpacks -- would live on into the next
-    step's forward."""
-    from titan_ulysses.distributed.utils import router_loss_share
+def _router_loss(model, dims, args: DecoderArgs, forwards: int):
+    """A mixture of experts' share of the objective, formed as the trainer's step forms it
+    (``distributed/utils.forward_backward``, which the tracker cannot call: it names the loss's backward apart):
+    the routing statistics taken off the model (held, their graph -- under AC every block's checkpointed
+    inputs, which the unused branch never unpacks -- would live on into the next step's forward), the
+    load-balancing loss over the ``loss`` mesh, ``aux_loss_coef`` x it over the step's forwards."""
+    from titan_ulysses.distributed.utils import router_aux_share
 
     stats, model.router_stats = getattr(model, "router_stats", None), None
-    if stats is None or not args.moe.aux_loss_coef:
+    if stats is None or args.moe is None:
         return 0.0
-    return router_loss_share(stats, dims.get_mesh("loss"), args.moe.aux_loss_coef)
+    aux, _ = router_aux_share(stats, dims.get_mesh("loss"))
+    coef = args.moe.aux_loss_coef
+    return coef * aux / forwards if coef > 0 else 0.0
 
 
 def _compute(switches: Switches):

@@ -1,0 +1,36 @@
+"""A step's microbatches as this rank trains on them: loader batches, each counted and sharded
+over sp (and cp) onto the device (``sharding.py``).
+
+The counts (padding tokens, tokens, truncated samples) stay a host tensor that nothing reads
+here: the trainer reduces and reads them on logging steps only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from titan_ulysses.data.sharding import SPBatch, shard_loader_batch
+
+
+class StepBatches:
+    """``per_step`` microbatches per step for rank (``sp_rank`` of ``sp``, ``cp_rank`` of ``cp``);
+    ``packed``: rows hold several documents (attention masks per document); ``fetch``: how a
+    batch is taken from the loader's iterator (a timing wrapper of ``next``)."""
+
+    def __init__(self, per_step: int, sp_rank: int, sp: int, cp_rank: int, cp: int, device: torch.device,
+                 packed: bool, pad_id: int, fetch=next):
+        self.per_step, self.device, self.packed, self.pad_id, self.fetch = per_step, device, packed, pad_id, fetch
+        self.sp_rank, self.sp, self.cp_rank, self.cp = sp_rank, sp, cp_rank, cp
+
+    def next(self, data_iter) -> tuple[list[SPBatch], torch.Tensor]:
+        """(this step's microbatches, their counts ``[padding tokens, tokens, truncated samples]`` in fp64)."""
+        counts = torch.zeros(3, dtype=torch.float64)
+        microbatches = []
+        for _ in range(self.per_step):
+            batch = self.fetch(data_iter)
+            truncated = batch["truncated"].sum() if "truncated" in batch else torch.zeros((), dtype=torch.long)
+            counts += torch.stack([(batch["document_ids"] == -1).sum(), torch.tensor(batch["input"].numel()),
+                                   truncated]).double()
+            microbatches.append(shard_loader_batch(batch, self.sp_rank, self.sp, self.device, self.packed,
+                                                   self.pad_id, self.cp_rank, self.cp))
+        return microbatches, counts

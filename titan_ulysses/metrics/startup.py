@@ -1,0 +1,41 @@
+"""The start-up line rank 0 prints once the run is built: what trains, from which weights, on
+which layout, batch, device and attention kernel, from which step, and the notes that go
+with it (uneven heads, the start record, a fake process group)."""
+
+from __future__ import annotations
+
+from titan_ulysses.distributed.heads import uneven_note
+from titan_ulysses.models.hf_config import describe
+from titan_ulysses.ops.attention import sdpa_priority
+
+
+def startup_line(config, args, weights, compute, options, parallel_dims, params: tuple[int, int],
+                 global_batch_size: int, microbatches: int, device, step: int, resumed: str,
+                 fake_world: int = 0, record_note: str | None = None) -> str:
+    """``weights``: the WeightSource; ``compute`` / ``options``: ComputeOptions / ParallelizeOptions;
+    ``params``: (trainable, total); ``resumed``: what the resume changed ("" when none);
+    ``fake_world``: the simulated world size under a fake process group (0: a real one)."""
+    pd, t = parallel_dims, config.training
+    source = f"flavor {config.model.flavor}"
+    if config.model.hf_assets_path:
+        source = f"{describe(args)} (from {config.model.hf_assets_path}/config.json)"
+    source += f", weights from {weights.describe()}"
+    attention = compute.attn_backend
+    if attention == "sdpa":  # which kernel runs first (model.sdpa_backends)
+        order = sdpa_priority(compute.sdpa_backends)
+        attention += f" ({' > '.join(order)})" if order else " (PyTorch's kernel order)"
+    trainable, total = params
+    lora = options.lora
+    notes = [uneven_note(args.n_heads, args.n_kv_heads, pd.sp, pd.tp), record_note]
+    return (
+        f"titan-ulysses: {args.num_params() / 1e6:.1f}M params, {source}, "
+        + (f"LoRA rank {lora.rank} on {','.join(lora.targets)}: "
+           f"{trainable / 1e6:.3f}M trainable of {total / 1e6:.1f}M, " if lora is not None else "")
+        + f"layout {pd.degrees}{f' with ep {pd.ep} (borrowed)' if pd.ep > 1 else ''}, global batch {global_batch_size} x {t.seq_len} tokens "
+        f"({microbatches} microbatch(es)), device {device.type}, attention {attention}, "
+        f"starting at step {step}"
+        + resumed
+        + (f"\nFAKE process group: rank 0 of {fake_world}; memory and compute are real, "
+           f"losses are not" if fake_world else "")
+        + "".join(f"\nnote: {n}" for n in notes if n)
+    )
