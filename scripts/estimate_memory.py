@@ -221,7 +221,8 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=1))
         return 0
     print(f"{a.config}: {args.num_params() / 1e9:.2f}B params, seq_len {t.seq_len} x local batch {t.local_batch_size}, "
-          f"world {a.world_size} = dp_shard {layout.dp_shard} x cp {layout.cp} x sp {layout.sp} x tp {layout.tp}, "
+          f"world {a.world_size} = dp_shard {layout.dp_shard} x cp {layout.cp} x sp {layout.sp} x tp {layout.tp}"
+          f"{f', experts over ep {layout.ep}' if layout.ep > 1 else ''}, "
           f"AC {switches.ac_mode}, loss chunk {switches.loss_chunk_size}, MLP tile {switches.mlp_tile_size}, "
           f"{'bf16' if switches.act_bytes == 2 else 'fp32'} compute")
     for key, value in est.as_dict().items():

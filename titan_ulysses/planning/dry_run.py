@@ -84,6 +84,9 @@ def _layout(config: JobConfig, dims, args) -> list[str]:
     lines = [f"layout: {dims.degrees}; each {t.seq_len}-token sequence over {seq_ranks} rank(s) "
              f"({t.seq_len // seq_ranks} tokens each); global batch {gbs} = local {t.local_batch_size} x dp {dp} "
              f"x {gbs // (t.local_batch_size * dp)} microbatch(es); {t.steps} steps of {gbs * t.seq_len} tokens"]
+    if args.moe is not None:
+        m = args.moe
+        lines[-1] += f"; {m.num_experts} experts over ep {dims.ep} ({m.num_experts // dims.ep} per rank), top-{m.top_k}"
     note = uneven_note(args.n_heads, args.n_kv_heads, dims.sp, dims.tp)
     if note:
         lines.append(f"note: {note}")
@@ -163,8 +166,12 @@ def _memory(config: JobConfig, dims, device_gib: float | None) -> list[str]:
     if warning:
         raise ConfigError(warning)
     phases = ", ".join(f"{name} {b / GIB:.2f}" for name, b in est.phases.items())
-    return [f"memory per device (estimate): {est.total / GIB:.2f} GiB at {est.peak_phase}, of {where}; "
-            f"by phase (GiB): {phases}"]
+    lines = [f"memory per device (estimate): {est.total / GIB:.2f} GiB at {est.peak_phase}, of {where}; "
+             f"by phase (GiB): {phases}" + ("; experts' routing counted balanced" if args.moe is not None else "")]
+    if est.host_offloaded:
+        lines.append(f"host memory per rank (estimate): {est.host_offloaded / GIB:.2f} GiB (FSDP CPU offload's states, "
+                     f"full_offload's block inputs)")
+    return lines
 
 
 def _saves(config: JobConfig) -> list[str]:

@@ -65,7 +65,7 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
             to_sdpa += [(s, c, [*f, "--model.attn_backend sdpa"]) for s, c, f in hybrid]
     for order in (SWITCH_ORDER[:-1], SWITCH_ORDER):
         for sp, cp, flags in keep + to_sdpa:
-            trial = Layout(dp_shard=world // (sp * cp * layout.tp), sp=sp, tp=layout.tp, cp=cp)
+            trial = Layout(dp_shard=world // (sp * cp * layout.tp), sp=sp, tp=layout.tp, cp=cp, ep=layout.ep)
             sw, overrides = switches, {}
             for i in range(len(order) + 1):
                 if i:
