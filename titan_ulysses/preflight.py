@@ -34,23 +34,17 @@ from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
 from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.checkpoint.verify import ALL
 from titan_ulysses.checkpoint.weight_source import adopt_start_record, hf_weights_wanted
-from titan_ulysses.config.job_config import JobConfig, parse_lora_targets
-from titan_ulysses.config.manager import ConfigError, check_config, check_requirements, resolved_global_batch_size
+from titan_ulysses.config.job_config import JobConfig
+from titan_ulysses.config.manager import ConfigError, check_config, check_requirements
 from titan_ulysses.data.build import check_dataset_files
 from titan_ulysses.data.datasets import check_passkey_fits
 from titan_ulysses.data.hf_datasets import training_dataset_path
 from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
-from titan_ulysses.data.sharding import check_seq_len
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
-from titan_ulysses.distributed.activation_checkpoint import check_layers_per_checkpoint
-from titan_ulysses.distributed.float8 import check_float8, float8_options
 from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.distributed.staged_attention import check_head_stages
-from titan_ulysses.distributed.ulysses import check_heads
 from titan_ulysses.metrics.loggers.wandb_logger import login_problem
-from titan_ulysses.models.moe.checks import check_moe
-from titan_ulysses.models.registry import check_compute
 from titan_ulysses.models.resolve import model_args
+from titan_ulysses.layout_checks import Run, run_checks
 from titan_ulysses.ops.attention import check_attention_settings
 
 
@@ -61,7 +55,7 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     In ``comm.mode = "fake"`` the job must be one process and the layout is checked
     against ``comm.fake_world_size``.
     """
-    p, t = config.parallelism, config.training
+    p = config.parallelism
     world_size = check_config(config, world_size)
     try:
         dims = ParallelDims(
@@ -74,56 +68,8 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     args = model_args(config)
     source = f"model.hf_assets_path {config.model.hf_assets_path!r}" if config.model.hf_assets_path else (
         f"model.flavor {config.model.flavor!r}")
-    try:
-        check_compute(args, config.model.attn_backend, config.model.sdpa_backends)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    try:
-        check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp, dims.cp)
-    except ValueError as e:
-        raise ConfigError(f"parallelism.ulysses_degree / tensor_parallel_degree: {e} ({source})") from e
-    try:
-        check_head_stages(p.ulysses_head_stages, args.n_heads, args.n_kv_heads, dims.sp, dims.tp)
-    except ValueError as e:
-        raise ConfigError(f"{e} ({source})") from e
-    try:
-        lora_targets = parse_lora_targets(config.lora.target_modules) if config.lora.rank > 0 else None
-        check_moe(args, dims.ep, dims.tp, lora_targets, source)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    if p.ulysses_head_stages > 1 and args.attn_sinks:
-        raise ConfigError(f"parallelism.ulysses_head_stages {p.ulysses_head_stages} with attention sinks ({source}): "
-                          f"not implemented; set parallelism.ulysses_head_stages 1")
-    if p.ulysses_head_stages > 1 and (config.lora.rank > 0 or config.float8.enable):
-        other = "lora.rank > 0" if config.lora.rank > 0 else "float8.enable"
-        raise ConfigError(f"parallelism.ulysses_head_stages {p.ulysses_head_stages} with {other}: the staged "
-                          f"attention slices plain nn.Linear projections per head group only; set "
-                          f"parallelism.ulysses_head_stages 1")
-    try:
-        check_layers_per_checkpoint(config.activation_checkpoint.mode, config.activation_checkpoint.layers_per_checkpoint)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    try:
-        check_seq_len(t.seq_len, dims.sp, dims.cp)
-    except ValueError as e:
-        raise ConfigError(f"training.seq_len: {e}") from e
-    try:  # what the backend cannot do (ops/attention/registry.py); the CPU check runs once the device is known
-        check_attention_settings(config.model.attn_backend, config.model.sdpa_backends, dims.cp)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    dp = dims.size("dp")
-    gbs = resolved_global_batch_size(config, dp)
-    if gbs <= 0 or gbs % (t.local_batch_size * dp):
-        raise ConfigError(
-            f"training.global_batch_size {gbs} must be a positive multiple of training.local_batch_size x dp = "
-            f"{t.local_batch_size} x {dp} = {t.local_batch_size * dp}"
-        )
+    run_checks(Run(config, dims, args, source))  # layout_checks.py: one row per component, in order
     check_requirements(config)
-    if config.float8.enable:
-        try:
-            check_float8(float8_options(config), dims.tp)
-        except (ValueError, ImportError) as e:
-            raise ConfigError(str(e)) from e
     return dims
 
 
