@@ -7,7 +7,10 @@
         --parallelism.ulysses_degree 1 --validate
 
 The model of what is kept is ``titan_ulysses/planning/estimate.py`` (docs/memory_model.md). The
-recommendation tries the ranks per sequence smallest first (Ulysses where the heads allow,
+recommendation tries the ranks per sequence smallest first (fewest exchanges; it weighs memory only,
+so Llama-3-8B at 128K on 8 GPUs gets ``ulysses_degree 1`` with full AC and a tiled MLP, while the
+shipped config runs sp=8: half the memory, room for selective AC, one sequence per step --
+docs/parallelism.md, "When sp wins") (Ulysses where the heads allow,
 ulysses x context_parallel where they do not, on every attention backend the registry says runs
 under cp) and adds memory
 switches in the order of the user guide until the estimate fits in 90% of the device
@@ -224,7 +227,8 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=1))
         return 0
     print(f"{a.config}: {args.num_params() / 1e9:.2f}B params, seq_len {t.seq_len} x local batch {t.local_batch_size}, "
-          f"world {a.world_size} = dp_shard {layout.dp_shard} x cp {layout.cp} x sp {layout.sp} x tp {layout.tp}, "
+          f"world {a.world_size} = dp_shard {layout.dp_shard} x cp {layout.cp} x sp {layout.sp} x tp {layout.tp}"
+          f"{f', experts over ep {layout.ep}' if layout.ep > 1 else ''}, "
           f"AC {switches.ac_mode}, loss chunk {switches.loss_chunk_size}, MLP tile {switches.mlp_tile_size}, "
           f"{'bf16' if switches.act_bytes == 2 else 'fp32'} compute")
     for key, value in est.as_dict().items():
@@ -239,6 +243,8 @@ def main(argv=None) -> int:
         print(f"no ulysses_degree within {a.world_size} GPUs and no switch makes seq_len {t.seq_len} fit")
     else:
         print(f"recommended: {' '.join(rec[1])}  ({rec[2].total / GIB:.1f} GiB)")
+        print("  (the fewest ranks per sequence that fit; a larger ulysses_degree leaves room for selective AC, "
+              "a smaller global batch and longer sequences: docs/parallelism.md, 'When sp wins')")
     if "tracked" in result:
         tr = result["tracked"]
         print(f"CPU tracker (fake tensors): device peak {tr['measured'] / GIB:.2f} GiB in {tr['phase']}; estimate "

@@ -1,4 +1,6 @@
-"""Export a titan-ulysses checkpoint to a Hugging Face model folder (Llama, Qwen2, Qwen3).
+"""Export a titan-ulysses checkpoint to a Hugging Face model folder, for every registered family
+(``titan_ulysses/models/families/``: llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, glm,
+and the mixtures of experts mixtral, qwen3_moe, gpt_oss).
 
     python scripts/export_hf.py --checkpoint outputs/needle_demo/checkpoint/step-400 \\
         --output outputs/needle_demo/hf [--dtype float32] [--max-shard-size 5GB]

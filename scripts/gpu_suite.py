@@ -8,17 +8,18 @@
     python scripts/gpu_suite.py --part limits --out DIR
     python scripts/gpu_suite.py --part all --dry-run --out DIR     # every case at toy size on CPU (CI)
 
-``first``, ``second`` and ``rest`` (``_gpu_first.py``) are for GPU windows of 15 minutes;
+``first``, ``second`` and ``rest`` (``short_parts()`` below) are for GPU windows of 15 minutes;
 ``first.json`` holds ``planned_s``, the sum of the cases' estimates plus the start-up.
 Each part runs its cases in order of importance within ``--budget`` seconds (default: the
-part's own, ``_gpu_first.BUDGETS``, else 500): a case whose
+part's own, ``BUDGETS``, else 500): a case whose
 estimated time no longer fits is skipped and reported as skipped, never silently left
 out. After every case the part rewrites ``DIR/<part>.json`` (so a killed run keeps what it
 measured) and ``DIR/<part>.md``, a table to paste into docs/benchmarks.md.
 
 A case reports ``pass`` / ``fail`` (a check with a stated tolerance), ``measured`` (a
 figure with no pass/fail), ``skipped`` (with the reason) or ``error`` (the exception: a
-bug to fix). The cases live in ``_gpu_correctness.py`` and ``_gpu_perf.py`` beside this file.
+bug to fix). The correctness cases are tests, in ``tests/gpu/`` (pytest runs them too, under the
+``gpu`` marker); the performance and limits cases are in ``benchmarks/``.
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# after this folder: the repository (as other scripts here add it) and tests/ (as tests/conftest.py
+# does for pytest): the correctness cases are the package ``gpu`` (tests/gpu/) beside the helpers they use
+sys.path[1:1] = [ROOT, os.path.join(ROOT, "tests")]
 
-from _gpu_common import Case, Context, Skip  # noqa: E402
+from benchmarks.gpu_common import Case, Context, Skip  # noqa: E402
 
 
 def device_line(device: torch.device) -> str:
@@ -105,19 +109,73 @@ def run_part(part: str, cases: list[Case], ctx: Context, header: dict) -> list[d
     return ctx.results
 
 
-def parts() -> dict[str, list[Case]]:
-    import _gpu_correctness
-    import _gpu_first
-    import _gpu_perf
+OVERHEAD_S = 15  # the wheel install and the suite's own start (imports, CUDA context), before the first case
+BUDGETS = {"first": 450.0, "second": 180.0, "rest": 500.0}
 
-    return {**_gpu_first.parts(), "correctness": _gpu_correctness.CASES, "bench": _gpu_perf.BENCH_CASES,
-            "limits": _gpu_perf.LIMIT_CASES}
+
+def _by_name(*lists) -> dict:
+    return {c.name: c for cases in lists for c in cases}
+
+
+def short_parts() -> dict[str, list[Case]]:
+    """What proves the most per second of a 15-minute GPU window. ``first`` (planned within 450 s on
+    an H100, wheel install and compile warm-up included): the kernels ``"auto"`` picks, compile
+    against eager in one step, the pinned-stager save and resume, packed documents without a dense
+    mask, cp's per-chunk kernel, head stages and LoRA on ranks sharing the GPU, every family's bf16
+    logits against transformers, the headline 8B step with its memory estimate, one limits point
+    of the head-staged 6M config; the head stages' cost (the compiled AC-full step, plain and in 4
+    stages) closes it. ``second`` (within 180 s on a started machine): float8 and ``full_offload``
+    against the first part's cells, the 128K packed-documents row. ``rest``: what fits neither."""
+    from benchmarks import gpu_perf
+    from benchmarks.headline import headline_8b, limits_6m_two_layers
+    from gpu import correctness
+    from gpu.models import families_bf16, moe_grouped_mm
+    from gpu.multirank import features_multirank
+
+    known = _by_name(correctness.CASES, gpu_perf.BENCH_CASES)
+    cell_steps = gpu_perf.cell_steps
+    # estimates: the 2026-11-26 H200 run's seconds (docs/gpu_runs/) with a margin for an H100's slower memory
+    first = [
+        Case("attn_sdpa_priority_auto", known["attn_sdpa_priority_auto"].fn, 12, 2),
+        Case("compile_one_step", correctness.compile_one_step_modes(("selective", "full_offload")), 30, 20),
+        Case("checkpoint_async_pinned_resume", known["checkpoint_async_pinned_resume"].fn, 45, 30),
+        Case("attn_sdpa_docs_window_softcap", known["attn_sdpa_docs_window_softcap"].fn, 5, 3),
+        Case("attn_sdpa_lower_right_cp", known["attn_sdpa_lower_right_cp"].fn, 5, 2),
+        Case("features_multirank", features_multirank, 30, 40),
+        Case("moe_grouped_mm_bf16", moe_grouped_mm, 10, 3),
+        Case("families_bf16", families_bf16, 15, 10),
+        Case("headline_8b_128k_sim8_compile_bf16_selective", headline_8b, 65, 15),
+        Case("limits_6m_staged_two_layers_1m", limits_6m_two_layers, 55, 15),
+        Case("attn_flex_docs_window_softcap", known["attn_flex_docs_window_softcap"].fn, 25, 5),
+        Case("attn_flash_attn_docs_window_softcap", known["attn_flash_attn_docs_window_softcap"].fn, 5, 1),
+        # head stages' cost: the same compiled step with AC full, plain and in 4 stages (found a
+        # per-layer recompile on 2026-11-26)
+        Case("8b_128k_sim8_compile_bf16_full", cell_steps(True, "bf16", "full"), 65, 10),
+        Case("8b_128k_sim8_compile_bf16_full_stages4",
+             cell_steps(True, "bf16", "full", ["--parallelism.ulysses_head_stages", "4"]), 65, 10),
+    ]
+    second = [  # against the first part's cells on the same started machine
+        Case("8b_128k_sim8_compile_float8_selective", cell_steps(True, "float8", "selective"), 65, 10),
+        Case("8b_128k_sim8_compile_bf16_full_offload", cell_steps(True, "bf16", "full_offload"), 65, 10),
+        Case("bench_packed_128k", known["bench_packed_128k"].fn, 35, 5),
+    ]
+    rest = [known["attn_flex_cp4_docs_window_softcap"], known["attn_flash_attn_cp4_docs_window"],
+            Case("8b_128k_sim8_eager_bf16_full", cell_steps(False, "bf16", "full"), 45, 10),
+            Case("8b_128k_sim8_eager_bf16_full_offload", cell_steps(False, "bf16", "full_offload"), 45, 10)]
+    return {"first": first, "second": second, "rest": rest}
+
+
+
+def parts() -> dict[str, list[Case]]:
+    from benchmarks import gpu_perf
+    from gpu import correctness
+
+    return {**short_parts(), "correctness": correctness.CASES, "bench": gpu_perf.BENCH_CASES,
+            "limits": gpu_perf.LIMIT_CASES}
 
 
 def planned_s(part: str, cases: list[Case]) -> float:
     """The part's plan on an H100: its cases' estimates, plus the start-up for the short parts."""
-    from _gpu_first import BUDGETS, OVERHEAD_S
-
     return sum(c.est_s for c in cases) + (OVERHEAD_S if part in BUDGETS else 0)
 
 
@@ -128,16 +186,15 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=None, help="seconds per part (default: the part's own, else 500)")
     p.add_argument("--dry-run", action="store_true", help="toy sizes on CPU: checks that every case runs")
     p.add_argument("--only", default="", help="comma-separated case names (default: all of the part)")
-    p.add_argument("--trial", default="", help=argparse.SUPPRESS)  # internal: one memory trial (see _gpu_perf)
+    p.add_argument("--trial", default="", help=argparse.SUPPRESS)  # internal: one memory trial (see benchmarks/gpu_perf.py)
     a = p.parse_args(argv)
     if a.trial:
-        import _gpu_perf
+        from benchmarks import gpu_perf
 
-        return _gpu_perf.trial_main(json.loads(a.trial))
+        return gpu_perf.trial_main(json.loads(a.trial))
     if not a.part:
         p.error("--part is required")
     only = set(filter(None, a.only.split(",")))
-    from _gpu_first import BUDGETS
 
     chosen = ["correctness", "bench", "limits"] if a.part == "all" else [a.part]
     unknown = sorted(only - {c.name for part in chosen for c in parts()[part]})

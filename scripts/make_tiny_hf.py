@@ -3,7 +3,8 @@
     python scripts/make_tiny_hf.py FAMILY OUT [--layers 2] [--dim 64] [--seed 0]
 
 FAMILY is a ``model_type`` this trainer reads (llama, qwen2, qwen3, mistral with a 32-token
-sliding window, phi3, gemma3_text with a 64-token window on its first layer). The folder is
+sliding window, phi3, gemma3_text with a 64-token window on its first layer, and the mixtures
+of experts qwen3_moe (8 experts, top-2) and mixtral (4 experts, top-2, the 32-token window)). The folder is
 what ``save_pretrained`` writes (config.json, model.safetensors) plus a byte-level BPE
 ``tokenizer.json`` trained on a few sentences, with the family's special tokens and a chat
 template in its format (``chat_template.jinja``), so that
@@ -44,6 +45,11 @@ FAMILIES = {
                     "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"),
 }
 FAMILIES["qwen3"] = ({"head_dim": 16}, *FAMILIES["qwen2"][1:])
+# mixtures of experts, their load-balancing loss on (output_router_logits) as a fine-tune would set it
+FAMILIES["qwen3_moe"] = ({"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                          "output_router_logits": True, "router_aux_loss_coef": 0.01}, *FAMILIES["qwen2"][1:])
+FAMILIES["mixtral"] = ({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
+                        "output_router_logits": True, "router_aux_loss_coef": 0.01}, *FAMILIES["mistral"][1:])
 TEXTS = [
     "The pass key is 12345. Remember it. What is the pass key?",
     "Add 49 and 97: 146. What is 53 + 5? 53 + 5 = 58. You add numbers.",

@@ -17,8 +17,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from titan_ulysses.checkpoint.hub import resolve_hf_assets  # noqa: E402
 from titan_ulysses.config.manager import ConfigError, load_config  # noqa: E402
 from titan_ulysses.data.build import open_store  # noqa: E402
+from titan_ulysses.data.hf_datasets import is_hf, training_dataset_path  # noqa: E402
 from titan_ulysses.data.sources import DataError, list_files  # noqa: E402
 from titan_ulysses.data.tokenizer import resolve_tokenizer  # noqa: E402
 
@@ -31,16 +33,17 @@ def main(argv: list[str]) -> int:
         argv = argv[:i] + argv[i + 2:]
     try:
         config = load_config(argv)
+        resolve_hf_assets(config)  # a Hub id -> its snapshot folder (the tokenizer's)
         tokenizer = resolve_tokenizer(config.model)
         t, v = config.training, config.validation
-        jobs = [(t.dataset, t.dataset_path)]
+        jobs = [(t.dataset, training_dataset_path(t))]
         if v.enable and (v.dataset or t.dataset) != "passkey":
             jobs.append((v.dataset or t.dataset, v.dataset_path))
         for kind, path in jobs:
             if kind == "passkey":
                 print("training.dataset 'passkey' is synthetic: nothing to prepare")
                 continue
-            size = sum(os.path.getsize(f) for f in list_files(path))
+            size = 0 if is_hf(path) else sum(os.path.getsize(f) for f in list_files(path))
             start = time.perf_counter()
             store = open_store(kind, path, tokenizer, config, processes=workers)
             took = time.perf_counter() - start

@@ -97,15 +97,18 @@ def main(argv=None) -> int:
 
     from titan_ulysses.config.manager import ConfigError, load_config
     from titan_ulysses.data.build import VALIDATION_SEED_OFFSET, build_dataset
+    from titan_ulysses.checkpoint.hub import resolve_hf_assets
+    from titan_ulysses.data.hf_datasets import training_dataset_path
     from titan_ulysses.data.sources import DataError
     from titan_ulysses.data.tokenizer import resolve_tokenizer
     from titan_ulysses.ops.loss import IGNORE_INDEX
 
     try:
         config = load_config(["--config", a.config, *overrides])
+        resolve_hf_assets(config)  # a Hub id -> its snapshot folder (the tokenizer's)
         t, v, m = config.training, config.validation, config.model
         tokenizer = resolve_tokenizer(m)
-        kind, path, seed = t.dataset, t.dataset_path, t.seed
+        kind, path, seed = t.dataset, training_dataset_path(t), t.seed
         if a.validation:
             kind, path, seed = v.dataset or t.dataset, v.dataset_path, t.seed + VALIDATION_SEED_OFFSET
         dataset = build_dataset(kind, path, tokenizer, config, seed)

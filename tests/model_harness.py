@@ -134,7 +134,7 @@ def parallel_step(model, pd: ParallelDims, inputs, labels, microbatches: int = 1
         for i, lab in zip(local_in.chunk(microbatches), local_lab.chunk(microbatches))
     ]
     with logits_kept(model, []) as logits:
-        loss, _ = forward_backward(model, mbs, pd.get_mesh("loss"))
+        loss = forward_backward(model, mbs, pd.get_mesh("loss")).loss
     return loss, logits
 
 

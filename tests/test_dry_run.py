@@ -57,7 +57,11 @@ def overrides_for(path: str, stand_ins: dict, dump: str) -> list[str]:
     """Point the paths a config names at the stand-ins (its other settings as shipped)."""
     text = open(path).read()
     out = ["--job.dump_folder", dump]
-    if re.search(r"^hf_assets_path\s*=", text, flags=re.M):
+    hf = re.search(r"^hf_assets_path\s*=\s*\"([^\"]*)\"", text, flags=re.M)
+    if hf and os.path.isfile(os.path.join(ROOT, hf.group(1), "config.json")):  # a config.json shipped in the repo
+        # stays (the architecture; no weights: a random init), the tokenizer is the stand-in's
+        out += ["--model.hf_assets_path", os.path.join(ROOT, hf.group(1)), "--model.tokenizer_path", stand_ins["hf"]]
+    elif hf:
         out += ["--model.hf_assets_path", stand_ins["hf"]]
     if re.search(r"^tokenizer_path\s*=", text, flags=re.M):
         out += ["--model.tokenizer_path", stand_ins["tiktoken"]]

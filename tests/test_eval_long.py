@@ -28,10 +28,10 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def held_out(tmp_path_factory):
-    """Real English text: this repository's README and guide as two .txt documents."""
+    """Real English text: this repository's README and data guide as two .txt documents."""
     folder = tmp_path_factory.mktemp("held_out")
     shutil.copy(os.path.join(ROOT, "README.md"), folder / "readme.txt")
-    shutil.copy(os.path.join(ROOT, "docs", "guide.md"), folder / "guide.txt")
+    shutil.copy(os.path.join(ROOT, "docs", "data.md"), folder / "guide.txt")
     return str(folder)
 
 

@@ -83,6 +83,22 @@ def test_short_parts_fit_their_gpu_windows():
         assert len({c.name for c in cases}) == len(cases)
 
 
+def test_every_correctness_case_of_the_suite_is_a_gpu_test():
+    """The suite's correctness cases (functions of tests/gpu/) all run under pytest's ``gpu`` marker
+    too (tests/gpu/test_cases.py), by the same names; the rest are benchmarks/'."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import gpu_suite
+    from gpu.test_cases import CASES
+
+    tested = {c.name for c in CASES}
+    for part, cases in gpu_suite.parts().items():
+        for case in cases:
+            module = case.fn.__module__
+            assert module.split(".")[0] in ("gpu", "benchmarks"), (part, case.name, module)
+            if module.startswith("gpu."):
+                assert case.name in tested, (part, case.name)
+
+
 @pytest.mark.parametrize("part", ["first", "second", "correctness", "bench", "limits"])
 def test_a_misspelt_case_is_refused_before_any_work(part, capsys):
     """A misspelt ``--only`` name is refused at once (exit 2, the part's cases listed), not found out

@@ -120,7 +120,7 @@ def test_what_a_mixture_of_experts_cannot_combine_with_is_refused_in_one_line():
         (moe, 3, 1, None, "parallelism.expert_parallel_degree 3 does not divide the 8 experts of x; use one of "
                           "[1, 2, 4, 8]"),
         (moe, 1, 2, None, "parallelism.tensor_parallel_degree 2 with a mixture of experts (x) is not supported"),
-        (moe, 1, 1, ("q_proj", "up_proj"), "lora.targets up_proj: LoRA on experts is not supported"),
+        (moe, 1, 1, ("q_proj", "up_proj"), "lora.target_modules up_proj: LoRA on experts is not supported"),
     ]:
         with pytest.raises(ValueError, match="^" + __import__("re").escape(message)):
             check_moe(args, ep, tp, lora, "x")

@@ -12,7 +12,7 @@ from test_moe_families import MOE_VARIANTS, as_saved, hf_moe
 from titan_ulysses.checkpoint.hf_adapter import from_hf
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.distributed.utils import global_token_count, load_full_state_dict, router_loss_share
+from titan_ulysses.distributed.utils import forward_backward, load_full_state_dict
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
 from titan_ulysses.models.hf_config import args_from_hf_config
@@ -30,13 +30,9 @@ def _step(model, pd, inputs, labels, coef):
     dp, dp_rank = pd.get_mesh("dp").size(), pd.get_mesh("dp").get_local_rank()
     sp, sp_rank = pd.get_mesh("sp").size(), pd.get_mesh("sp").get_local_rank()
     mb = shard_batch(inputs.chunk(dp)[dp_rank], labels.chunk(dp)[dp_rank], sp_rank, sp)
-    n_tokens = global_token_count([mb.labels], pd.get_mesh("loss"))
-    loss = cross_entropy_sum(model(mb.tokens, positions=mb.positions), mb.labels) / n_tokens
-    loss = loss + router_loss_share(model.router_stats, pd.get_mesh("loss"), coef)
-    loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    return total
+    step = forward_backward(model, [mb], pd.get_mesh("loss"))  # the trainer's own step
+    assert step.aux_coef == coef
+    return step.loss + coef * step.aux
 
 
 def _matches_one_process(name, layouts=LAYOUTS):
@@ -115,3 +111,50 @@ def _lora_on_attention(name):
 
 def test_lora_on_attention_of_a_mixture_of_experts():
     run_distributed(_lora_on_attention, 2, "qwen3_moe")
+
+
+def _microbatches_and_logged_numbers():
+    """Two microbatches per step on ep2 x sp2: each forward's load-balancing loss is its own (as
+    transformers' per forward) and the step's is their mean; the step reports the language-model
+    loss alone, the unweighted aux loss and the routing counts of every rank, all against one process."""
+    hf = hf_moe("qwen3_moe")
+    args = args_from_hf_config(hf.config.to_dict())
+    state = from_hf(as_saved(hf, hf.state_dict()), args)
+    coef = args.moe.aux_loss_coef
+    assert coef > 0
+    inputs, labels = make_batch(0, 4, 20, args.vocab_size)
+    ref = build_model(args, ComputeOptions(attn_backend="sdpa"))
+    ref.load_state_dict(state)
+    n = (labels != IGNORE_INDEX).sum()
+    lm, aux, counts = 0.0, 0.0, 0.0
+    for i, lab in zip(inputs.chunk(2), labels.chunk(2)):  # the step's microbatches, every rank's rows
+        lm = lm + cross_entropy_sum(ref(i), lab) / n
+        aux = aux + load_balancing_loss(ref.router_stats) / 2
+        counts = counts + ref.router_stats.counts.double()
+    (lm + coef * aux).backward()
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+    pd = ParallelDims(sp=2, ep=2, world_size=dist.get_world_size())
+    pd.build_mesh("cpu")
+    with torch.device("meta"):
+        model = build_model(args, ComputeOptions(attn_backend="sdpa"))
+    parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32))
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    load_full_state_dict(model, state)
+    sp, sp_rank = pd.get_mesh("sp").size(), pd.get_mesh("sp").get_local_rank()
+    mbs = [shard_batch(i, lab, sp_rank, sp) for i, lab in zip(inputs.chunk(2), labels.chunk(2))]
+    step = forward_backward(model, mbs, pd.get_mesh("loss"))
+    assert model.router_stats is None  # dropped once used: held, it would keep the last forward's graph
+    assert_close(step.loss.float(), lm.detach(), "language-model loss")
+    assert_close(step.aux.float(), aux.detach(), "aux loss")
+    torch.testing.assert_close(step.expert_counts, counts, rtol=0, atol=0)
+    for k, p in model.named_parameters():
+        assert_close(full(p.grad), ref_grads[clean_name(k)], f"grad {k}")
+    with torch.no_grad():  # held-out evaluation: the language-model loss alone
+        held_out = forward_backward(model, mbs, pd.get_mesh("loss"))
+    assert held_out.aux is None
+    assert_close(held_out.loss.float(), lm.detach(), "held-out loss")
+
+
+def test_microbatches_average_the_aux_loss_and_the_step_reports_it():
+    run_distributed(_microbatches_and_logged_numbers, 2)

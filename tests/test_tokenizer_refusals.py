@@ -127,3 +127,14 @@ def test_a_tokenizer_config_that_disagrees_with_the_tokenizer_is_refused(folder,
     from titan_ulysses.data.hf_tokenizer import HFTokenizer
 
     assert HFTokenizer(str(folder)).eos_id == 1
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_passkey_window_too_short_for_the_tokenizer_is_one_line(folder, tmp_path, capsys, dry_run):
+    """The passkey sample is built in the data loader (a traceback there); its length depends on the
+    tokenizer, so pre-flight builds one with the run's tokenizer."""
+    line = _refusal(folder, tmp_path, capsys, "--training.dataset", "passkey", "--training.seq_len", "16",
+                    dry_run=dry_run)
+    assert line.startswith("config error: training.seq_len 16 is too short for a passkey sample with this "
+                           "tokenizer (it needs at least "), line
+    assert line.endswith("tokens): raise training.seq_len"), line

@@ -31,22 +31,19 @@ import torch.distributed as dist
 from titan_ulysses.checkpoint.folders import output_folders_problem
 from titan_ulysses.checkpoint.hf import check_hf_weights
 from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
+from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.checkpoint.verify import ALL
 from titan_ulysses.checkpoint.weight_source import adopt_start_record, hf_weights_wanted
-from titan_ulysses.config.job_config import JobConfig, parse_lora_targets
-from titan_ulysses.config.manager import ConfigError, check_config, check_requirements, resolved_global_batch_size
+from titan_ulysses.config.job_config import JobConfig
+from titan_ulysses.config.manager import ConfigError, check_config, check_requirements
 from titan_ulysses.data.build import check_dataset_files
+from titan_ulysses.data.datasets import check_passkey_fits
+from titan_ulysses.data.hf_datasets import training_dataset_path
 from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
-from titan_ulysses.data.sharding import check_seq_len
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
-from titan_ulysses.distributed.activation_checkpoint import check_layers_per_checkpoint
-from titan_ulysses.distributed.float8 import check_float8, float8_options
 from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.distributed.staged_attention import check_head_stages
-from titan_ulysses.distributed.ulysses import check_heads
 from titan_ulysses.metrics.loggers.wandb_logger import login_problem
-from titan_ulysses.models.moe.checks import check_moe
-from titan_ulysses.models.registry import check_compute
+from titan_ulysses.layout_checks import Run, run_checks
 from titan_ulysses.ops.attention import check_attention_settings
 from titan_ulysses.run_spec import RunSpec, resolve_run
 
@@ -58,7 +55,7 @@ def validate(config: JobConfig, world_size: int, spec: RunSpec | None = None) ->
     In ``comm.mode = "fake"`` the job must be one process and the layout is checked
     against ``comm.fake_world_size``.
     """
-    p, t = config.parallelism, config.training
+    p = config.parallelism
     world_size = check_config(config, world_size)
     try:
         dims = ParallelDims(
@@ -71,56 +68,8 @@ def validate(config: JobConfig, world_size: int, spec: RunSpec | None = None) ->
     args = (spec or resolve_run(config, tokenizer=False)).args
     source = f"model.hf_assets_path {config.model.hf_assets_path!r}" if config.model.hf_assets_path else (
         f"model.flavor {config.model.flavor!r}")
-    try:
-        check_compute(args, config.model.attn_backend, config.model.sdpa_backends)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    try:
-        check_heads(args.n_heads, args.n_kv_heads, dims.sp, dims.tp, dims.cp)
-    except ValueError as e:
-        raise ConfigError(f"parallelism.ulysses_degree / tensor_parallel_degree: {e} ({source})") from e
-    try:
-        check_head_stages(p.ulysses_head_stages, args.n_heads, args.n_kv_heads, dims.sp, dims.tp)
-    except ValueError as e:
-        raise ConfigError(f"{e} ({source})") from e
-    try:
-        lora_targets = parse_lora_targets(config.lora.target_modules) if config.lora.rank > 0 else None
-        check_moe(args, dims.ep, dims.tp, lora_targets, source)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    if p.ulysses_head_stages > 1 and args.attn_sinks:
-        raise ConfigError(f"parallelism.ulysses_head_stages {p.ulysses_head_stages} with attention sinks ({source}): "
-                          f"not implemented; set parallelism.ulysses_head_stages 1")
-    if p.ulysses_head_stages > 1 and (config.lora.rank > 0 or config.float8.enable):
-        other = "lora.rank > 0" if config.lora.rank > 0 else "float8.enable"
-        raise ConfigError(f"parallelism.ulysses_head_stages {p.ulysses_head_stages} with {other}: the staged "
-                          f"attention slices plain nn.Linear projections per head group only; set "
-                          f"parallelism.ulysses_head_stages 1")
-    try:
-        check_layers_per_checkpoint(config.activation_checkpoint.mode, config.activation_checkpoint.layers_per_checkpoint)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    try:
-        check_seq_len(t.seq_len, dims.sp, dims.cp)
-    except ValueError as e:
-        raise ConfigError(f"training.seq_len: {e}") from e
-    try:  # what the backend cannot do (ops/attention/registry.py); the CPU check runs once the device is known
-        check_attention_settings(config.model.attn_backend, config.model.sdpa_backends, dims.cp)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    dp = dims.size("dp")
-    gbs = resolved_global_batch_size(config, dp)
-    if gbs <= 0 or gbs % (t.local_batch_size * dp):
-        raise ConfigError(
-            f"training.global_batch_size {gbs} must be a positive multiple of training.local_batch_size x dp = "
-            f"{t.local_batch_size} x {dp} = {t.local_batch_size * dp}"
-        )
+    run_checks(Run(config, dims, args, source))  # layout_checks.py: one row per component, in order
     check_requirements(config)
-    if config.float8.enable:
-        try:
-            check_float8(float8_options(config), dims.tp)
-        except (ValueError, ImportError) as e:
-            raise ConfigError(str(e)) from e
     return dims
 
 
@@ -159,6 +108,12 @@ def check_files(config: JobConfig, spec: RunSpec | None = None) -> RunSpec:
             check_dcp_model_shapes(c.initial_load_path, args)
         except (OSError, ValueError) as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}") from e
+    t, v = config.training, config.validation
+    if "passkey" in (t.dataset, (v.dataset or t.dataset) if v.enable else None):
+        try:  # a sample is built in the data loader's workers, where a refusal would be a traceback
+            check_passkey_fits(spec.tokenizer_object, t.seq_len, t.passkey_digits)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     return spec
 
 
@@ -166,10 +121,12 @@ def check_launch(config: JobConfig) -> tuple[ParallelDims, RunSpec, str | None]:
     """Every check a launch makes before it joins the process group, in the order that matters;
     returns the layout, the run's spec and the start record's note for the start-up line.
 
-    The start checkpoint's record first (it may give the architecture), the dataset files before
+    A Hub id in ``model.hf_assets_path`` first becomes its snapshot folder (``checkpoint/hub.py``);
+    then the start checkpoint's record (it may give the architecture), the dataset files before
     the layout (a layout error must not hide a missing file), then ``validate``, ``check_files``
     and the output folder.
     """
+    resolve_hf_assets(config)  # a Hub id -> its snapshot folder, before anything reads it
     note = adopt_start_record(config)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     check_dataset_files(config)
@@ -210,6 +167,7 @@ def load_tokenizer(config: JobConfig):
 def plan(config: JobConfig, world_size: int, device_gib: float | None = None) -> str:
     """Every pre-launch check for ``world_size`` ranks, then the plan (``planning/dry_run.py``) as text, or a
     ConfigError / DataError."""
+    resolve_hf_assets(config)  # a Hub id -> its snapshot folder (downloaded unless HF_HUB_OFFLINE)
     # as the trainer: the start checkpoint may give the architecture; verified whole here (one process)
     record_note = adopt_start_record(config, shards=ALL)
     spec = resolve_run(config, tokenizer=False)  # the tokenizer once check_files has checked its file
@@ -226,7 +184,7 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
 
 def _datasets(config: JobConfig) -> list[tuple[str, str, str]]:
     t, v = config.training, config.validation
-    out = [("training", t.dataset, t.dataset_path)]
+    out = [("training", t.dataset, training_dataset_path(t))]
     if v.enable:
         out.append(("validation", v.dataset or t.dataset, v.dataset_path))
     return out

@@ -31,6 +31,7 @@ import os
 from dataclasses import dataclass, field
 
 from titan_ulysses.checkpoint.hf_export import ASSETS, read_model_record, record_hint
+from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.checkpoint.weight_source import WeightSource, fresh_source
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError
@@ -78,6 +79,7 @@ def hf_folder(config: JobConfig, record_dir: str = "") -> str:
     """The Hugging Face folder of the run: the first and only place ``model.hf_assets_path`` is read
     (a Hub id becomes a local snapshot folder here); else a start checkpoint's ``hf_assets/``.
     Writes the folder back to ``config.model.hf_assets_path`` so that every later reader sees it."""
+    resolve_hf_assets(config)  # a Hub id -> its snapshot folder (checkpoint/hub.py); a folder stays as it is
     folder = config.model.hf_assets_path
     if not folder and record_dir and os.path.isfile(os.path.join(record_dir, ASSETS, "config.json")):
         folder = os.path.join(record_dir, ASSETS)
@@ -94,9 +96,13 @@ def _recorded_changes(recorded: DecoderArgs, config: JobConfig, max_positions: i
     m, out = config.model, {}
     if m.rope_theta > 0 and m.rope_theta != recorded.rope_theta:
         out["model.rope_theta"] = (recorded.rope_theta, m.rope_theta)
-    scaled = apply_model_settings(dataclasses.replace(recorded), dataclasses.replace(m, rope_theta=0.0), max_positions)
+    scaled = apply_model_settings(recorded, dataclasses.replace(m, rope_theta=0.0, router_aux_loss_coef=-1),
+                                  max_positions)
     if scaled.rope_scaling != recorded.rope_scaling:
         out["model.rope_scaling_factor"] = (_rope(recorded.rope_scaling), _rope(scaled.rope_scaling))
+    coef = m.router_aux_loss_coef
+    if coef != -1 and recorded.moe is not None and coef != recorded.moe.aux_loss_coef:
+        out["model.router_aux_loss_coef"] = (recorded.moe.aux_loss_coef, m.router_aux_loss_coef)
     return out
 
 
@@ -115,10 +121,11 @@ def _model(config: JobConfig, start: str) -> tuple[DecoderArgs, str, str, bool, 
                 args = load_hf_args(folder)
             except (OSError, ValueError) as e:
                 raise ConfigError(f"model.hf_assets_path: {e}") from e
-            args = apply_model_settings(args, m, read_hf_config(folder).get("max_position_embeddings", 0))
+            args = apply_model_settings(args, m, read_hf_config(folder).get("max_position_embeddings", 0),
+                                        "model.hf_assets_path")
             return args, f"{describe(args)} (from {folder}/config.json)", "", True, (), ()
         try:
-            args = apply_model_settings(get_flavor(m.flavor), m)
+            args = apply_model_settings(get_flavor(m.flavor), m, source=f"model.flavor {m.flavor!r}")
         except ValueError as e:
             raise ConfigError(f"model.flavor: {e}") from e
         return args, f"flavor {m.flavor}", "", False, (), ()
@@ -128,12 +135,16 @@ def _model(config: JobConfig, start: str) -> tuple[DecoderArgs, str, str, bool, 
     changes = _recorded_changes(recorded, config, max_positions)
     args = recorded
     if changes:
-        only = dataclasses.replace(m, rope_theta=m.rope_theta if "model.rope_theta" in changes else 0.0,
-                                   rope_scaling_factor=m.rope_scaling_factor if "model.rope_scaling_factor" in changes
-                                   else 0.0)
-        args = apply_model_settings(recorded, only, max_positions)
+        keep = {"model.rope_theta": ("rope_theta", 0.0), "model.rope_scaling_factor": ("rope_scaling_factor", 0.0),
+                "model.router_aux_loss_coef": ("router_aux_loss_coef", -1)}  # the setting's "the model's" value
+        only = dataclasses.replace(m, **{f: unset for k, (f, unset) in keep.items() if k not in changes})
+        args = apply_model_settings(recorded, only, max_positions, f"the record of {start}")
     named = tuple(f"{k} {old} -> {new} (the config's; {start} recorded {old})" for k, (old, new) in changes.items())
-    own = apply_model_settings(_named_model(config, folder), m, max_positions)  # the config's model, alone
+    own = _named_model(config, folder)  # the config's model alone, its settings applied where they can be
+    try:
+        own = apply_model_settings(own, m, max_positions)
+    except ConfigError:
+        pass
     notes = tuple(f"{f} {show(getattr(args, f))} from the checkpoint's model_args.json (the config says "
                   f"{show(getattr(own, f))})" for f, show in (("rope_theta", repr), ("rope_scaling", _rope))
                   if getattr(args, f) != getattr(own, f))

@@ -131,13 +131,14 @@ class Trainer:
         microbatches, counts = self.batches.next(data_iter)
         step = forward_backward(self.model, microbatches, pd.get_mesh("loss"))
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
-        global_loss, grad_norm = self._read_guard(step.loss, grad_norm)
+        global_loss, grad_norm, aux = self._read_guard(step, grad_norm)
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         lr = next((x for x in lrs if not math.isfinite(x)), lrs[0])
-        if not self.fake and not all(map(math.isfinite, (global_loss, grad_norm, lr))):
+        objective = global_loss + (step.aux_coef * aux if step.aux_coef else 0.0)
+        if not self.fake and not all(map(math.isfinite, (objective, grad_norm, lr))):
             # every rank sees the same reduced loss, norm and lr: all skip or all stop
             self.optimizer.zero_grad(set_to_none=True)
-            self._nonfinite_step(global_loss, grad_norm, lr)
+            self._nonfinite_step(objective, grad_norm, lr)
             return {"loss": global_loss, "grad_norm": grad_norm, "skipped": True}
         self.nonfinite_in_a_row = 0
         self.optimizer.step()
@@ -145,24 +146,33 @@ class Trainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         out = {"loss": global_loss, "grad_norm": grad_norm}
+        if step.aux is not None:  # a mixture of experts: the objective was loss + aux_coef * aux_loss
+            out["aux_loss"] = aux
         if self.step_log.due(self.step + 1):
             # every sp rank of a dp group loaded the same rows: count them over dp only
             counts = dist_sum(counts.to(self.device), pd.get_mesh("dp"))
-            pad, total_tokens, truncated, loss_tokens = torch.cat([counts, step.tokens.double()[None]]).tolist()
+            read = torch.cat([counts, step.tokens.double()[None]] + ([] if step.expert_counts is None else [
+                step.expert_counts.max()[None] / step.expert_counts.mean().clamp(min=1e-9)]))
+            pad, total_tokens, truncated, loss_tokens, *load = read.tolist()
+            if load:  # the busiest expert's assignments over the mean (summed over layers): 1 is balanced
+                out["expert_load_max_over_mean"] = load[0]
             out.update(loss_tokens=int(loss_tokens), padding=pad / max(total_tokens, 1.0), truncated=int(truncated),
                        dropped=self.data.stats.get("dropped", 0))  # samples left out of the dataset (run total)
         return out
 
-    def _read_guard(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
-        """The one read of the device every step needs: the reduced loss and gradient norm, which
+    def _read_guard(self, step, grad_norm: torch.Tensor) -> tuple[float, float, float]:
+        """The one read of the device every step needs: the reduced loss (and a mixture of experts'
+        load-balancing loss, 0 without) and gradient norm, which
         decide before the optimizer step whether it may touch the weights (``_nonfinite_step``),
         read together with whether any rank was signalled (a MAX over the world, so that every
         rank saves and stops after the same step: :attr:`preempted`)."""
         flag = torch.full((), 1.0 if self._signalled else 0.0, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        loss, grad_norm, flag = torch.stack([loss.float(), grad_norm.float().to(self.device), flag]).tolist()
+        aux = torch.zeros((), device=self.device) if step.aux is None else step.aux.float()
+        loss, aux, grad_norm, flag = torch.stack([step.loss.float(), aux, grad_norm.float().to(self.device),
+                                                  flag]).tolist()
         self.preempted = flag > 0
-        return loss, grad_norm
+        return loss, grad_norm, aux
 
     def _nonfinite_step(self, global_loss: float, grad_norm: float, lr: float) -> None:
         """Skip this step's update (``training.skip_nonfinite_steps`` in a row at most) or stop."""

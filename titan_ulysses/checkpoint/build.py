@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ulysses.checkpoint.hf_export import write_model_record
+from titan_ulysses.checkpoint.hub import hub_id_of
 from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
 from titan_ulysses.checkpoint.lora_export import write_lora_record
 from titan_ulysses.checkpoint.manager import CheckpointManager
@@ -64,7 +65,7 @@ def build_checkpointer(config, model, optimizer, lr_scheduler, dataloader, args,
         async_mode=c.async_mode, keep_latest_k=c.keep_latest_k, settings=resume_settings(config),
         timeout_seconds=config.comm.init_timeout_seconds,
         extras=lambda d: (write_model_record(d, args, m.hf_assets_path, config.training.seq_len),
-                          write_lora_record(d, lora, m.hf_assets_path or m.flavor)),
+                          write_lora_record(d, lora, hub_id_of(m.hf_assets_path) or m.hf_assets_path or m.flavor)),
     )
 
 

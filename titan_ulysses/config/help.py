@@ -43,14 +43,23 @@ def format_help(width: int = 100) -> str:
     for section in dataclasses.fields(config):
         obj = getattr(config, section.name)
         lines.append(f"[{section.name}]")
-        for f in dataclasses.fields(obj):
-            key = f"{section.name}.{f.name}"
-            default = getattr(obj, f.name)
+        for key, owner, name in _keys(section.name, obj):
+            default = getattr(owner, name)
             named = [repr(c) if c == "" else str(c) for c in CHOICES.get(key, ())]  # '' (unset) shows as ''
             choices = f" (one of {', '.join(named)})" if named else ""
             lines.append(f"  --{key} {default!r}{choices}")
-            doc = " ".join(docs.get(type(obj).__name__, {}).get(f.name, "").split())
+            doc = " ".join(docs.get(type(owner).__name__, {}).get(name, "").split())
             if doc:
                 lines.extend(textwrap.wrap(doc, width, initial_indent="      ", subsequent_indent="      "))
         lines.append("")
     return "\n".join(lines)
+
+
+def _keys(prefix: str, obj):
+    """(section.key, the object holding it, its name) for every key, a table's keys in its place."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _keys(f"{prefix}.{f.name}", value)
+        else:
+            yield f"{prefix}.{f.name}", obj, f.name

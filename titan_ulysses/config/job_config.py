@@ -24,7 +24,12 @@ class Model:
     `huggingface-cli download` leaves it. When set, the architecture (any family of models/registry.py
     and every shape) comes from its config.json and model.name / model.flavor are not used.
     A run with no checkpoint of its own starts from its *.safetensors weights unless
-    checkpoint.initial_load_in_hf = false (architecture only) or checkpoint.initial_load_path is set."""
+    checkpoint.initial_load_in_hf = false (architecture only) or checkpoint.initial_load_path is set.
+    A Hub id (org/name, e.g. "Qwen/Qwen3-8B") that is not a folder here is downloaded through
+    huggingface_hub into its cache (HF_HOME, HF_HUB_OFFLINE, HF_TOKEN; local rank 0 of each node
+    downloads, the others wait) and read from there (docs/hub.md)."""
+    hf_revision: str = ""
+    """With a Hub id in hf_assets_path: the branch, tag or commit to read ("": the default branch)."""
     attn_backend: str = "sdpa"
     """Local attention inside Ulysses and cp: sdpa, flex or flash_attn (CUDA); what each can do
     (CPU training, documents, windows, softcap, cp) is in titan_ulysses/ops/attention/registry.py."""
@@ -53,6 +58,11 @@ class Model:
     rope_original_max_position_embeddings: int = 0
     """With rope_scaling_factor: the length the model was trained at (0: its existing scaling's,
     else config.json's max_position_embeddings, else 8192 for flavors)."""
+    router_aux_loss_coef: float = -1.0
+    """Mixtures of experts: weight of the router's load-balancing loss in the training loss. -1: the
+    model's config.json (router_aux_loss_coef when output_router_logits is true, else 0, as
+    transformers trains it; most released configs say false); 0: off; > 0 sets it (Qwen3-MoE and
+    Mixtral ship 0.001 and 0.02). Logged as aux_loss either way."""
     loss_chunk_size: int = 0
     """Tokens per chunk of output projection + loss (0: all logits at once)."""
     mlp_tile_size: int = 0
@@ -96,12 +106,35 @@ class Parallelism:
 
 
 @dataclass
+class HFDataset:
+    """[training.hf_dataset]: the training rows from the `datasets` library instead of local files."""
+
+    name: str = ""
+    """A `datasets` name (org/name, from the Hub or its cache) or a local folder (one that
+    Dataset.save_to_disk wrote, or data files load_dataset reads); "" = off. Short form:
+    training.dataset_path = "hf:NAME" (validation.dataset_path too, "hf:NAME:SPLIT" for a split)."""
+    config: str = ""
+    """The dataset's configuration (subset); "" = its default."""
+    split: str = "train"
+    """The split whose rows are read, in their order."""
+    column: str = ""
+    """The field holding each row's text (dataset "text") or messages (dataset "sft"); "" = the
+    rows' own fields, as in a .jsonl file ("text"; "messages" or "prompt" / "completion")."""
+    streaming: bool = False
+    """Refused: the token store tokenizes every row once before the first step, so that every
+    layout reads the same global order; a streamed split has no length to cut into work items."""
+
+
+@dataclass
 class Training:
     dataset: str = "passkey"
     """"passkey" (synthetic long-context retrieval), "text" (pretraining on local .txt/.jsonl/.parquet)
     or "sft" (supervised fine-tuning on .jsonl/.parquet rows of prompt/completion or messages)."""
     dataset_path: str = ""
-    """File or folder of the "text" or "sft" dataset."""
+    """File or folder of the "text" or "sft" dataset, or "hf:NAME" for a `datasets` name or folder
+    (its "train" split; the [training.hf_dataset] table for the other options; docs/hub.md)."""
+    hf_dataset: HFDataset = field(default_factory=HFDataset)
+    """The rows from the `datasets` library (a table of its own: name, config, split, column, streaming)."""
     dataset_cache_dir: str = ""
     """Where the tokenized corpus is cached; "" = a .titan_cache folder beside (or inside) dataset_path."""
     packing: bool = True
@@ -121,7 +154,7 @@ class Training:
     passkey_digits: int = 5
     """Digits of the "passkey" dataset's key (1 to 9). Copying a multi-digit key needs induction
     heads, which a small model forms only after far more tokens than a CPU run sees; one digit is
-    found by a single content-matching head (docs/guide.md, section 4)."""
+    found by a single content-matching head (docs/context_extension.md)."""
     seq_len: int = 2048
     """Tokens per sample; must divide by ulysses_degree (by 2 x context_parallel_degree x ulysses_degree with cp)."""
     local_batch_size: int = 1

@@ -26,7 +26,13 @@ def _fields(obj) -> dict[str, type]:
 
 
 def _all_keys(config: JobConfig) -> list[str]:
-    return [f"{s}.{k}" for s in _fields(config) for k in _fields(getattr(config, s))]
+    keys = []
+    for s in _fields(config):
+        obj = getattr(config, s)
+        for k in _fields(obj):
+            inner = getattr(obj, k)  # a table inside a section: [training.hf_dataset]
+            keys += [f"{s}.{k}.{n}" for n in _fields(inner)] if dataclasses.is_dataclass(inner) else [f"{s}.{k}"]
+    return keys
 
 
 def _unknown(key: str, config: JobConfig) -> ConfigError:
@@ -70,9 +76,20 @@ def _set(config: JobConfig, key: str, value, from_cli: bool = False, where: str 
     if section not in _fields(config) or not name:
         raise _unknown(key, config)
     obj = getattr(config, section)
+    while "." in name:  # a key of a table inside the section: --training.hf_dataset.name
+        head, _, name = name.partition(".")
+        if head not in _fields(obj) or not dataclasses.is_dataclass(getattr(obj, head)):
+            raise _unknown(key, config)
+        obj = getattr(obj, head)
     kinds = _fields(obj)
     if name not in kinds:
         raise _unknown(key, config)
+    if dataclasses.is_dataclass(getattr(obj, name)):  # [training.hf_dataset] in a TOML file
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} is a table: write [{key}] with its keys, or --{key}.KEY value")
+        for inner, inner_value in value.items():
+            _set(config, f"{key}.{inner}", inner_value, from_cli, where)
+        return
     kind = kinds[name]
     if type(None) in typing.get_args(kind):  # `bool | None`: unset by default, a value when given
         kind = next(k for k in typing.get_args(kind) if k is not type(None))
@@ -182,7 +199,9 @@ def _check_lora(config: JobConfig) -> None:
 def check_requirements(config: JobConfig) -> None:
     """The settings that another setting requires (a dataset kind its path, a tokenizer its file, ...)."""
     t, v = config.training, config.validation
-    _check_path("training.dataset_path", t.dataset_path, t.dataset)
+    _check_hf_dataset(t)
+    if not t.hf_dataset.name:
+        _check_path("training.dataset_path", t.dataset_path, t.dataset)
     if v.enable:
         _check_path("validation.dataset_path", v.dataset_path, v.dataset or t.dataset)
     if config.model.tokenizer == "tiktoken" and not config.model.tokenizer_path:
@@ -197,8 +216,28 @@ def check_requirements(config: JobConfig) -> None:
     if c.initial_load_in_hf and c.initial_load_path:
         raise ConfigError("checkpoint.initial_load_in_hf and checkpoint.initial_load_path both name the start "
                           "weights; set one")
-    if t.dataset == "text" and not t.dataset_path:
+    if t.dataset == "text" and not (t.dataset_path or t.hf_dataset.name):
         raise ConfigError("training.dataset 'text' needs training.dataset_path (a file or a folder of .txt/.jsonl/.parquet)")
+
+
+def _check_hf_dataset(t) -> None:
+    """[training.hf_dataset]: its name with a text/sft dataset, not beside training.dataset_path, no streaming."""
+    table, default = t.hf_dataset, type(t.hf_dataset)()
+    if table.streaming:
+        raise ConfigError("training.hf_dataset.streaming true is not supported: the token store tokenizes every row "
+                          "once before the first step, so that every layout reads the same global order; set it false")
+    if not table.name:
+        changed = [f.name for f in dataclasses.fields(table) if getattr(table, f.name) != getattr(default, f.name)]
+        if changed:
+            raise ConfigError(f"training.hf_dataset.{changed[0]} is set but training.hf_dataset.name is not; name the "
+                              f"dataset (a `datasets` name or folder)")
+        return
+    if t.dataset_path:
+        raise ConfigError(f"training.hf_dataset.name {table.name!r} and training.dataset_path {t.dataset_path!r} both "
+                          f"name the training data; set one")
+    if t.dataset == "passkey":
+        raise ConfigError(f"training.hf_dataset.name {table.name!r} is set but training.dataset is 'passkey' "
+                          f"(synthetic); set training.dataset to 'text' or 'sft'")
 
 
 def _check_path(key: str, path: str, kind: str) -> None:

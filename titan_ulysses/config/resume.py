@@ -24,7 +24,8 @@ RESUME_SETTINGS = (
 )
 MODEL_SETTINGS = (
     "model.flavor", "model.hf_assets_path", "model.rope_theta", "model.rope_scaling_factor",
-    "model.rope_scaling_type", "model.rope_original_max_position_embeddings", "model.attn_backend",
+    "model.rope_scaling_type", "model.rope_original_max_position_embeddings", "model.router_aux_loss_coef",
+    "model.attn_backend",
     "lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules",
     "training.mixed_precision_param", "training.mixed_precision_reduce", "float8.enable", "float8.recipe",
 )

@@ -15,9 +15,11 @@ from datetime import timedelta
 import numpy as np
 
 from titan_ulysses.config.job_config import JobConfig
+from titan_ulysses.data import hf_datasets
 from titan_ulysses.data.chat import load_chat_template
 from titan_ulysses.data.datasets import PasskeyDataset
 from titan_ulysses.data.encode import SFTEncoder, TextEncoder
+from titan_ulysses.data.hf_datasets import is_hf, training_dataset_path
 from titan_ulysses.data.loader import build_dataloader
 from titan_ulysses.data.sources import DataError, list_files, work_items
 from titan_ulysses.data.token_store import (
@@ -59,10 +61,19 @@ def check_dataset_files(config: JobConfig) -> None:
     """The corpus files the settings name exist (a DataError naming the setting otherwise). Cheap:
     run first, so a missing file is not hidden behind a layout error of the same launch."""
     t, v = config.training, config.validation
-    if t.dataset != "passkey" and t.dataset_path:
-        list_files(t.dataset_path, "training.dataset_path")
+    path = training_dataset_path(t)
+    if t.dataset != "passkey" and path:
+        check_corpus(path, "training.hf_dataset" if t.hf_dataset.name else "training.dataset_path")
     if v.enable and (v.dataset or t.dataset) != "passkey" and v.dataset_path:
-        list_files(v.dataset_path, "validation.dataset_path")
+        check_corpus(v.dataset_path, "validation.dataset_path")
+
+
+def check_corpus(path: str, key: str) -> None:
+    """A corpus path exists: its files, or a `datasets` split that loads (downloaded unless offline)."""
+    if is_hf(path):
+        hf_datasets.open_dataset(path, key)
+    else:
+        list_files(path, key)
 
 
 def open_store(kind: str, path: str, tokenizer, config: JobConfig, group=None, rank: int = 0, world: int = 1,
@@ -70,8 +81,8 @@ def open_store(kind: str, path: str, tokenizer, config: JobConfig, group=None, r
     """Tokenize ``path`` once (in parallel over the ranks of ``group``, or over ``processes``
     forked workers when there is no group) and map the result."""
     t = config.training
-    key_name = "validation.dataset_path" if path != t.dataset_path else "training.dataset_path"
-    files = list_files(path, key_name)
+    key_name = "training.dataset_path" if path == t.dataset_path else (
+        "training.hf_dataset" if path == training_dataset_path(t) else "validation.dataset_path")
     options: dict = {"kind": kind}
     if kind == "sft":
         template = load_chat_template(t.chat_template, tokenizer)
@@ -81,13 +92,20 @@ def open_store(kind: str, path: str, tokenizer, config: JobConfig, group=None, r
     else:
         encode = TextEncoder(tokenizer)
     ident = tokenizer_identity(tokenizer)
-    key = cache_key(files, ident, options)
-    cache_dir = t.dataset_cache_dir or default_cache_dir(path)
-    meta = {"files": files, "tokenizer": ident, "kind": kind}
-    if processes > 1 and world == 1:
-        store = build_with_processes(work_items(files), encode, cache_dir, key, tokenizer.vocab_size, meta, processes)
+    if is_hf(path):  # a `datasets` split: row ranges, keyed by its fingerprint
+        items, source = hf_datasets.hf_items(path, key_name)
+        key = cache_key([], ident, {**options, "hf": source})
+        cache_dir = t.dataset_cache_dir or hf_datasets.cache_dir(path, key_name)
+        meta = {"hf": source, "tokenizer": ident, "kind": kind}
     else:
-        store = build_or_open(work_items(files), encode, cache_dir, key, tokenizer.vocab_size, meta, rank, world, group)
+        files = list_files(path, key_name)
+        items, key = work_items(files), cache_key(files, ident, options)
+        cache_dir = t.dataset_cache_dir or default_cache_dir(path)
+        meta = {"files": files, "tokenizer": ident, "kind": kind}
+    if processes > 1 and world == 1:
+        store = build_with_processes(items, encode, cache_dir, key, tokenizer.vocab_size, meta, processes)
+    else:
+        store = build_or_open(items, encode, cache_dir, key, tokenizer.vocab_size, meta, rank, world, group)
     if store.n_docs == 0:
         raise DataError(f"{key_name} {path!r} holds no documents (empty file?)")
     return store
@@ -157,6 +175,9 @@ def corpus_fingerprint(path: str, key: str = "training.dataset_path") -> str:
     from titan_ulysses.data.sources import list_files
 
     h = hashlib.sha256()
+    if is_hf(path):  # the datasets library's fingerprint of the split's content
+        h.update(repr(sorted(hf_datasets.hf_items(path, key)[1].items())).encode())
+        return h.hexdigest()[:20]
     for f in list_files(path, key):
         size = os.path.getsize(f)
         h.update(f"{os.path.basename(f)}:{size}:".encode())
@@ -183,10 +204,11 @@ def data_settings(config: JobConfig, tokenizer=None) -> dict:
     if t.dataset == "passkey":
         settings["passkey_digits"] = t.passkey_digits
     else:
-        settings.update(dataset_path=os.path.abspath(t.dataset_path), packing=t.packing, shuffle=t.shuffle,
-                        min_document_tokens=t.min_document_tokens)
+        path = training_dataset_path(t)
+        settings.update(dataset_path=path if is_hf(path) else os.path.abspath(path), packing=t.packing,
+                        shuffle=t.shuffle, min_document_tokens=t.min_document_tokens)
         if tokenizer is not None:
-            settings["dataset_content"] = corpus_fingerprint(t.dataset_path)
+            settings["dataset_content"] = corpus_fingerprint(path)
     if t.dataset == "sft":
         settings.update(overlong_samples=t.overlong_samples, include_prompt_loss=t.include_prompt_loss,
                         chat_template=t.chat_template)
@@ -219,7 +241,8 @@ def build_data(config: JobConfig, tokenizer, dp_rank: int, dp_size: int, global_
     t, v = config.training, config.validation
     needs_store = t.dataset != "passkey" or (v.enable and (v.dataset or t.dataset) != "passkey")
     group, rank, world = node_group() if needs_store and not fake else (None, 0, 1)
-    dataset = build_dataset(t.dataset, t.dataset_path, tokenizer, config, t.seed, group, rank, world)
+    path = training_dataset_path(t)  # dataset_path, or [training.hf_dataset] as an hf: path
+    dataset = build_dataset(t.dataset, path, tokenizer, config, t.seed, group, rank, world)
     dataloader = build_dataloader(
         dataset, global_batch_size=global_batch_size, local_batch_size=t.local_batch_size,
         dp_rank=dp_rank, dp_size=dp_size, settings=data_settings(config, tokenizer),
@@ -232,7 +255,7 @@ def build_data(config: JobConfig, tokenizer, dp_rank: int, dp_size: int, global_
                                    group, rank, world)
     stats = dict(getattr(dataset, "stats", {}))
     if verbose and stats and rank == 0 and (group is None or _global_rank() == 0):
-        print(f"data: {t.dataset} {t.dataset_path}: " + ", ".join(f"{k} {v_}" for k, v_ in stats.items()), flush=True)
+        print(f"data: {t.dataset} {path}: " + ", ".join(f"{k} {v_}" for k, v_ in stats.items()), flush=True)
     return Data(dataloader, dataset, packed=getattr(dataset, "packed", False), validation=validation,
                 stats=stats, global_batch_size=global_batch_size, local_batch_size=t.local_batch_size,
                 dp_rank=dp_rank, dp_size=dp_size)

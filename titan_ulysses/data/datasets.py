@@ -44,12 +44,18 @@ def make_passkey_tokens(tokenizer, seq_len: int, passkey: int, depth: float) -> 
     answer = tokenizer.encode(str(passkey), False, False)
     n_filler = seq_len + 1 - 1 - len(needle) - len(question) - len(answer)
     if n_filler < 0:
-        raise ValueError(f"training.seq_len {seq_len} is too short for a passkey sample (it needs at least {seq_len - n_filler})")
+        raise ValueError(f"training.seq_len {seq_len} is too short for a passkey sample with this tokenizer (it needs "
+                         f"at least {seq_len - n_filler} tokens): raise training.seq_len")
     unit = tokenizer.encode(_FILLER, False, False)
     filler = (unit * (n_filler // len(unit) + 1))[:n_filler]
     cut = int(round(depth * n_filler))
     tokens = [tokenizer.bos_id] + filler[:cut] + needle + filler[cut:] + question + answer
     return tokens, len(tokens) - len(answer)
+
+
+def check_passkey_fits(tokenizer, seq_len: int, digits: int) -> None:
+    """A ValueError of one line when ``seq_len`` cannot hold a passkey sample with this tokenizer."""
+    make_passkey_tokens(tokenizer, seq_len, 10**digits - 1, 0.5)
 
 
 def random_passkey(rng: random.Random, digits: int) -> int:

@@ -31,8 +31,8 @@ class DataError(ValueError):
 @dataclass(frozen=True)
 class WorkItem:
     path: str
-    kind: str  # "txt", "jsonl" or "parquet"
-    start: int = 0  # jsonl: byte range [start, end); parquet: row group index
+    kind: str  # "txt", "jsonl", "parquet" or "hf" (path: an hf: dataset path)
+    start: int = 0  # jsonl: byte range [start, end); parquet: row group index; hf: row range
     end: int = 0
 
 
@@ -84,7 +84,12 @@ def _line_number(path: str, offset: int) -> int:
 
 
 def read_rows(item: WorkItem):
-    """Yield ``(where, row)`` for the rows of ``item``: ``row`` is a dict (jsonl/parquet) or a str (txt)."""
+    """Yield ``(where, row)`` for the rows of ``item``: ``row`` is a dict (jsonl/parquet/hf) or a str (txt)."""
+    if item.kind == "hf":  # a `datasets` split's row range (hf_datasets.py)
+        from titan_ulysses.data.hf_datasets import read_hf_rows
+
+        yield from read_hf_rows(item)
+        return
     if item.kind == "txt":
         with open(item.path, "rb") as f:
             data = f.read()

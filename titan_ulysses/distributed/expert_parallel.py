@@ -40,12 +40,19 @@ class ExpertParallel:
     ep: int = 1
     num_global_experts: int = 0
 
+    @staticmethod
+    def split_sizes(send: torch.Tensor, recv: torch.Tensor, rows: int) -> tuple[list[int], list[int]]:
+        """The all-to-all's split sizes on the host (a sync): rows this rank sends to each ep rank, rows it
+        receives from each. ``rows`` (all it sends) is for a caller that cannot read the counts: the memory
+        tracker, under fake tensors, splits them evenly (``planning/fake_step.py``)."""
+        return send.sum(1).tolist(), recv.sum(1).tolist()
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep, local_e = self.ep, self.num_global_experts // self.ep
         send = counts.view(ep, local_e)  # [ep(dst), E_l]: my rows for each expert of rank dst
         recv = funcol.all_to_all_single(send.reshape(-1), None, None, self.ep_group)
         recv = funcol.wait_tensor(recv).view(ep, local_e)  # [ep(src), E_l]: rows each rank sends my experts
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()  # host sync: the split sizes
+        in_splits, out_splits = self.split_sizes(send, recv, x.shape[0])
         got = funcol.all_to_all_single_autograd(x, out_splits, in_splits, self.ep_group)  # [R, D] source-major
         # source-major blocks (src, expert) -> expert-major rows, each block's order kept
         key = torch.arange(local_e, device=x.device)[None, :] * ep + torch.arange(ep, device=x.device)[:, None]

@@ -20,7 +20,7 @@ Flattened meshes derived from them, named by what they are for:
 Every dimension is always present in the mesh (size 1 when unused), so code can
 ask for ``mesh["sp"]`` without checking whether SP is on.
 
-Adding a dimension, as ``cp`` and ``ep`` were added (``docs/guide.md``, "Adding a mesh dimension"):
+Adding a dimension, as ``cp`` and ``ep`` were added (``docs/extending.md``, "Adding a mesh dimension"):
 
 1. here: a degree field with its docstring and its config name in ``SETTING_NAMES``; its name in
    ``MESH_DIMS`` (ranks of its own) or ``BORROWED`` (ranks of a group, as ``ep``); the groups of

@@ -35,9 +35,13 @@ def init_distributed(fake_world_size: int = 0, timeout_seconds: float | None = N
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world_size)
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:  # plain `python train.py`
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", RANK="0", WORLD_SIZE="1")
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
+        device_id = device if device.type == "cuda" else None
+        if "MASTER_ADDR" in os.environ:  # torchrun's rendezvous
+            dist.init_process_group(backend, device_id=device_id, timeout=timeout)
+        else:  # plain `python train.py`: a world of one, in-process (no port for two such runs to collide on)
+            os.environ.update(RANK="0", WORLD_SIZE="1")
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id,
+                                    timeout=timeout)
     return device
 
 

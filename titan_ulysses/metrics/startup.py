@@ -28,7 +28,7 @@ def startup_line(config, spec, weights, compute, options, parallel_dims, params:
         f"titan-ulysses: {args.num_params() / 1e6:.1f}M params, {source}, "
         + (f"LoRA rank {lora.rank} on {','.join(lora.targets)}: "
            f"{trainable / 1e6:.3f}M trainable of {total / 1e6:.1f}M, " if lora is not None else "")
-        + f"layout {pd.degrees}, global batch {global_batch_size} x {t.seq_len} tokens "
+        + f"layout {pd.degrees}{f' with ep {pd.ep} (borrowed)' if pd.ep > 1 else ''}, global batch {global_batch_size} x {t.seq_len} tokens "
         f"({microbatches} microbatch(es)), device {device.type}, attention {attention}, "
         f"starting at step {step}"
         + resumed

@@ -91,6 +91,10 @@ def describe(args: DecoderArgs) -> str:
         extras.append(f"sliding window {args.sliding_window}")
     if args.rotary_fraction != 1:
         extras.append(f"rotary {args.rotary_fraction:g} of each head")
+    moe = getattr(args, "moe", None)
+    if moe is not None:
+        aux = f"load-balancing loss x{moe.aux_loss_coef:g}" if moe.aux_loss_coef else "no load-balancing loss"
+        extras.append(f"{moe.num_experts} experts of {moe.hidden_dim} (top-{moe.top_k}, {aux})")
     return (f"{get_family(args.family).architecture} {args.n_layers} layers, dim {args.dim}, {args.n_heads} heads "
             f"({args.n_kv_heads} kv, head_dim {args.head_dim}), ffn {args.ffn_hidden_dim}, vocab {args.vocab_size}, "
             f"{rope}" + "".join(f", {e}" for e in extras))

@@ -27,6 +27,7 @@ from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError, resolved_global_batch_size
 from titan_ulysses.data.build import fewer_than_one_window
 from titan_ulysses.data.datasets import PasskeyDataset
+from titan_ulysses.data.hf_datasets import hf_items, is_hf
 from titan_ulysses.data.sources import DataError, list_files, read_rows, work_items
 from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.planning.estimate import estimate
@@ -80,6 +81,9 @@ def _layout(config: JobConfig, dims, args) -> list[str]:
     lines = [f"layout: {dims.degrees}; each {t.seq_len}-token sequence over {seq_ranks} rank(s) "
              f"({t.seq_len // seq_ranks} tokens each); global batch {gbs} = local {t.local_batch_size} x dp {dp} "
              f"x {gbs // (t.local_batch_size * dp)} microbatch(es); {t.steps} steps of {gbs * t.seq_len} tokens"]
+    if args.moe is not None:
+        m = args.moe
+        lines[-1] += f"; {m.num_experts} experts over ep {dims.ep} ({m.num_experts // dims.ep} per rank), top-{m.top_k}"
     note = uneven_note(args.n_heads, args.n_kv_heads, dims.sp, dims.tp)
     if note:
         lines.append(f"note: {note}")
@@ -94,11 +98,16 @@ def _data(config: JobConfig, tokenizer, kind: str, path: str, name: str) -> str:
         return (f"{name} data: passkey (synthetic), {t.passkey_digits}-digit keys, sample 0 holds "
                 f"{sample['input'].numel()} tokens")
     key = f"{name}.dataset_path"
-    files = list_files(path, key)
-    size = sum(os.path.getsize(f) for f in files)
+    if is_hf(path):  # a `datasets` split (loaded, so downloaded unless offline)
+        items, source = hf_items(path, key)
+        what = f"{source['rows']} rows of a datasets split"
+    else:
+        files = list_files(path, key)
+        items = work_items(files)
+        what = f"{len(files)} file(s), {sum(os.path.getsize(f) for f in files) / 2**20:.1f} MiB"
     encode = _encoder(config, tokenizer, kind)
     lengths, window = [], _Window(t, kind)
-    for where, row in (pair for item in work_items(files) for pair in read_rows(item)):
+    for where, row in (pair for item in items for pair in read_rows(item)):
         ids, _ = encode(where, row)
         if len(lengths) < SAMPLE_ROWS:
             if kind == "sft" and len(ids) > t.seq_len and t.overlong_samples == "error":
@@ -112,7 +121,7 @@ def _data(config: JobConfig, tokenizer, kind: str, path: str, name: str) -> str:
     if not window.filled():
         raise DataError(fewer_than_one_window(path, window.tokens, t))
     rows = "packed into windows with document masks" if t.packing else "one per window"
-    return (f"{name} data: {kind} {path}: {len(files)} file(s), {size / 2**20:.1f} MiB; first {len(lengths)} rows "
+    return (f"{name} data: {kind} {path}: {what}; first {len(lengths)} rows "
             f"tokenize to {sum(lengths)} tokens (longest {max(lengths)}), {rows} of {t.seq_len}; "
             f"the corpus is tokenized at launch into {t.dataset_cache_dir or 'a .titan_cache folder beside it'}")
 
@@ -154,8 +163,12 @@ def _memory(config: JobConfig, dims, device_gib: float | None, args) -> list[str
     if warning:
         raise ConfigError(warning)
     phases = ", ".join(f"{name} {b / GIB:.2f}" for name, b in est.phases.items())
-    return [f"memory per device (estimate): {est.total / GIB:.2f} GiB at {est.peak_phase}, of {where}; "
-            f"by phase (GiB): {phases}"]
+    lines = [f"memory per device (estimate): {est.total / GIB:.2f} GiB at {est.peak_phase}, of {where}; "
+             f"by phase (GiB): {phases}" + ("; experts' routing counted balanced" if args.moe is not None else "")]
+    if est.host_offloaded:
+        lines.append(f"host memory per rank (estimate): {est.host_offloaded / GIB:.2f} GiB (FSDP CPU offload's states, "
+                     f"full_offload's block inputs)")
+    return lines
 
 
 def _saves(config: JobConfig) -> list[str]:

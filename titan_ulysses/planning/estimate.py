@@ -10,9 +10,11 @@ the model is known to be off: docs/memory_model.md. Each phase is checked agains
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from titan_ulysses.planning import groups
+from titan_ulysses.planning.moe_terms import block_params, expert_units, feed_forward_memory
 from titan_ulysses.planning.inputs import Layout, Switches
 from titan_ulysses.planning.layer_terms import (
     cp_kv_per_token,
@@ -92,11 +94,16 @@ def _loss_transients(args: DecoderArgs, s: Switches, tokens: float) -> tuple[flo
 
 def estimate(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1) -> Estimate:
     """The memory of one rank for a step of ``local_batch`` sequences of ``seq_len`` tokens."""
+    if args.moe is not None and not args.moe_dense_layers:  # experts are never tiled: no MLP to tile
+        switches = dataclasses.replace(switches, mlp_tile_size=0)
     s, a = switches, switches.act_bytes
     tokens = local_batch * seq_len / (layout.sp * layout.cp)  # T
     d, q, kv, qa, kva_held, kva, f = widths(args, layout, s.act_bytes == 4)
+    if args.moe is not None and not args.moe_dense_layers:  # no dense MLP: the experts' terms are moe_terms.py's
+        f = 0
     n = layout.dp_shard * layout.cp * layout.sp
-    block = 2 * d * (q + kv) + 3 * d * f + 2 * d  # one block's parameters on a tp rank
+    # one block's parameters on a tp rank, and those a rank gathers (a mixture of experts: its E / ep experts)
+    block, gathered = block_params(args, layout, d, q, kv, f)
     other = args.vocab_size * d * (1 if args.tie_embeddings else 2) + d
     shard = (args.n_layers * block + other) / n
     states = {"parameters": 4 * shard, "gradients": 4 * shard, "optimizer": 8 * shard}
@@ -149,6 +156,9 @@ def estimate(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int
         mlp_ws = a * d * tokens + max(a * d * tokens + tile_ws, 2 * a * d * tokens if s.ac_mode != "none" else 0.0)
     else:
         mlp_ws = 2 * a * f * tokens
+    moe = feed_forward_memory(args, layout, s)  # a mixture of experts' feed-forward (moe_terms.py), never tiled
+    if moe:  # the combine's backward; under AC also the recompute's dispatch, beside the output's gradient
+        mlp_ws = (moe.combine if s.ac_mode == "none" else max(moe.combine, moe.dispatch + a * d)) * tokens
     if s.lora_rank:  # the adapters' gradient of the MLP input beside the base projections' (measured)
         mlp_ws += a * d * tokens
     loss_fwd, loss_bwd, loss_weight_grad = _loss_transients(args, s, tokens)
@@ -163,8 +173,11 @@ def estimate(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int
     upcast = 4 * d * rows if a < 4 else 0.0
     norm_fwd, norm_bwd = 8 * d * rows + upcast, 16 * d * rows + upcast
 
-    root, one_block = a * other, a * block
-    rs_block = 4 * trained
+    root, one_block = a * other, a * gathered
+    units = expert_units(args, layout, a, d, q, kv, gathered)  # a mixture of experts' block: its FSDP units
+    # FSDP's last all-gather of forward (an MoE block's: its experts'), and the first block backward prefetches
+    last_gather, first_prefetch = (units.last_gather, units.dense) if units else (one_block, one_block)
+    rs_block = 4 * (trained if s.lora_rank else gathered)
     # the root's reduce-scatter (FSDP's foreach_reduce): its gradients copied into the fp32 input,
     # then the input beside the output (a world of one: beside a full-size output and the quotient
     # by the divide factor, which FSDP computes out of place) and beside the last root gradient,
@@ -191,27 +204,57 @@ def estimate(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int
         prefetch = one_block if i > 0 else 0.0  # block i - 1's all-gather
         if s.ac_mode == "full_offload" and i > 0:  # and its input, on its way back from the host
             prefetch += a * d * tokens
-        return (rest + done + working - one_block + prefetch + out_grad + held
-                + (i + 1) * per_layer * tokens + max(recompute + layer_ws - released, floor)
-                + groups.layer_backward_extra(i, k, s.ac_mode, a * d * tokens, one_block, rope_held))
+        common = (rest + done + out_grad + (i + 1) * per_layer * tokens
+                  + groups.layer_backward_extra(i, k, s.ac_mode, a * d * tokens, one_block, rope_held))
+        if units:
+            return common + moe_layer_backward(i, prefetch - (one_block if i > 0 else 0.0))
+        return common + working - one_block + prefetch + held + max(recompute + layer_ws - released, floor)
+
+    def moe_layer_backward(i: int, offloaded: float) -> float:
+        """An MoE block's backward beyond ``common``: the combine first (the block's other parameters gathered,
+        its experts prefetched, block i + 1's last reduce-scatter input held), then the experts, the ffn norm and
+        the attention after the feed-forward's tensors are freed (the block's other parameters and their
+        gradients, the experts' reduce-scatter input, block i - 1's prefetch). ``offloaded``: block i - 1's input
+        on its way back from the host."""
+        held = units.dense_reduce if i < args.n_layers - 1 else 0.0
+        previous = units.dense if i > 0 else 0.0  # block i - 1's prefetched
+        if units.experts:  # the experts' unit comes next: prefetched (under AC gathered by the recompute)
+            first = units.last_gather + (units.experts if s.ac_mode != "none" else 0.0)
+            after_held = units.experts_reduce
+        else:  # one unit: block i - 1 comes next
+            first, after_held = previous, held
+        combine = root + units.dense + first + held + recompute + mlp_ws
+        rest_ws = max(attention_ws - moe.saved * tokens, norm_ws)
+        after = root + 2 * units.dense + after_held + previous + max(recompute + rest_ws - released, floor)
+        return offloaded + max(combine, after)
 
     # a layer's ffn_norm backward (after the MLP's backward freed its intermediates): the norm's fp32
     # temporaries and two residual-stream gradients beside the rest of the layer's activations
-    norm_ws = norm_bwd + 2 * a * d * tokens - (a * d + (0 if s.mlp_tile_size else 4 * a * f)) * tokens
+    ffn_saved = moe.saved if moe else a * d + (0 if s.mlp_tile_size else 4 * a * f)
+    norm_ws = norm_bwd + 2 * a * d * tokens - ffn_saved * tokens
     # the tiled MLP's backward (and, under AC, the recompute's forward before it) comes first in the block's
     # backward: none of the block's gradients exist yet (its weights' gradients are the tiles' sums, above)
     layer_ws = max(attention_ws, mlp_ws - (a * trained if s.mlp_tile_size else 0.0), norm_ws)
+    reduced = args.n_layers * block_grad  # the blocks' sharded gradients in the embeddings' backward
+    if units:  # block 0's other parameters and their gradients still gathered, its last reduce-scatter input,
+        # only its experts' gradients sharded (the tracker's; the dense count was fitted to Llama's shapes)
+        embedding += 2 * units.dense + (units.experts_reduce or units.dense_reduce) - rs_block
+        reduced -= 4 * units.dense / a / n
     top = (args.n_layers - 1) // k  # the top group (k = 1: the top layer)
     phases = {
-        "loss forward": rest + earlier + root + one_block + saved + max(loss_fwd, norm_fwd),
-        "loss backward": rest + earlier + root + one_block + saved + rope_held
+        "loss forward": rest + earlier + root + last_gather + saved + max(loss_fwd, norm_fwd),
+        "loss backward": rest + earlier + root + first_prefetch + saved + rope_held
         + max(loss_weight_grad + loss_bwd, out_grad + a * tokens * d + norm_bwd),
         "layer backward": max(layer_backward(i) for i in range(args.n_layers) if i // k in (0, 1, top - 1, top)),
-        "embedding backward": rest + (earlier or args.n_layers * block_grad) + max(embedding, root_grads),
+        "embedding backward": rest + (earlier or reduced) + max(embedding, root_grads),
         "optimizer step": rest + states["gradients"],
     }
     if s.lora_rank:  # backward ends with block 0's: the frozen embeddings' input needs no gradient
         del phases["embedding backward"]
+    if moe and s.ac_mode == "none":  # the top layer's dispatch: every layer's saved tensors and the token ids and
+        # RoPE tables, its units gathered (and its experts' all-gather buffer)
+        phases = {"forward": rest + earlier + root + units.dense + units.experts + units.last_gather
+                  + (args.n_layers * per_layer + moe.dispatch + 8 + 4 * args.head_dim) * tokens, **phases}
     return Estimate(
         unsharded_working_params=float(working), saved_activations=saved, layer_recompute=recompute,
         attention_working_set=attention_ws, mlp_working_set=float(mlp_ws), logits=float(max(loss_fwd, loss_bwd)),

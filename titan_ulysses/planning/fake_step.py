@@ -1,7 +1,8 @@
 """What a CPU step under fake tensors does differently from a CUDA step, patched for the tracker.
 
-A fake process group (rank 0 of the simulated world), sdpa's kernel choices as on CUDA, full_offload's
-copies to a fake host device, and DTensor's sharding propagation left uncounted. docs/memory_model.md.
+A fake process group (rank 0 of the simulated world), sdpa's and the experts' kernel choices as on CUDA,
+full_offload's copies to a fake host device, DTensor's sharding propagation left uncounted, and a mixture of
+experts' routing assumed balanced (fake tensors have no values to route by). docs/memory_model.md.
 """
 
 from __future__ import annotations
@@ -92,4 +93,38 @@ def sharding_metadata_unseen():
             return propagate(self, op_schema)
 
     with mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached", unseen):
+        yield
+
+
+def _even(total: int, parts: int) -> list[int]:
+    """``total`` split in ``parts`` sizes that differ by at most one, the larger first."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+@contextlib.contextmanager
+def balanced_experts():
+    """A mixture of experts routed evenly: every expert gets ``T k / E`` of a rank's ``T k`` rows and every
+    ep rank ``T k / ep`` of them, in both directions of the dispatch. Fake tensors have no values, so the
+    host syncs that read the routing (expert parallelism's split sizes, the grouped product's loop) cannot
+    run; and the grouped product runs its kernel (``torch._grouped_mm``) where an sm90 GPU would: bf16 with
+    16-byte aligned rows. A rank that receives more than its share holds proportionally more of the
+    dispatch's received rows and the experts' intermediates than this step."""
+    from unittest import mock
+
+    from titan_ulysses.distributed.expert_parallel import ExpertParallel
+    from titan_ulysses.ops import grouped_mm as gmm
+
+    def split_sizes(send, recv, rows):
+        sizes = _even(rows, send.shape[0])
+        return sizes, list(sizes)
+
+    def available(x, w):
+        return x.dtype == w.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0
+
+    def loop(x, w, counts):
+        parts = torch.split(x, _even(x.shape[0], w.shape[0]), dim=0)
+        return torch.cat([p @ w[g] for g, p in enumerate(parts)], dim=0)
+
+    with mock.patch.object(ExpertParallel, "split_sizes", staticmethod(split_sizes)), \
+            mock.patch.object(gmm, "grouped_mm_available", available), mock.patch.object(gmm, "grouped_mm_loop", loop):
         yield

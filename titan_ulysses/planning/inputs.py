@@ -19,6 +19,9 @@ class Layout:
     sp: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1
+    """Expert-parallel degree, borrowed from ``dp_shard x cp x sp`` (``distributed/parallel_dims.py``): a mixture
+    of experts' expert weights are split over ``ep`` ranks, then FSDP-sharded over the ``n / ep`` others."""
 
 
 @dataclass
@@ -59,4 +62,4 @@ def from_config(config, dims, args=None):
         head_stages=config.parallelism.ulysses_head_stages,
         stage_keep_attention=config.parallelism.ulysses_stage_keep_attention,
     )
-    return args, Layout(dp_shard=dims.size("dp_shard"), sp=dims.sp, tp=dims.tp, cp=dims.cp), switches
+    return args, Layout(dp_shard=dims.size("dp_shard"), sp=dims.sp, tp=dims.tp, cp=dims.cp, ep=dims.ep), switches

@@ -153,6 +153,7 @@ def phase_hooks(model, poller: PhasePeaks) -> list:
 
     def block_output(i):
         def hook(module, inputs, output):
+            output = output[0] if isinstance(output, tuple) else output  # (h, a mixture of experts' statistics)
             if poller.phase == "forward" and output.requires_grad:  # not the AC recompute in backward
                 output.register_hook(on_grad(f"layer {i} backward"))
                 if i == 0 and inputs[0].requires_grad:  # a frozen embedding (LoRA) has no backward

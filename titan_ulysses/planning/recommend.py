@@ -17,7 +17,7 @@ from titan_ulysses.ops.attention import get_backend
 BUDGET = 0.9  # of the device: the rest is the CUDA context, NCCL buffers, fragmentation
 
 
-SWITCH_ORDER = [  # (override, Switches change), cumulative, as in docs/guide.md section 3
+SWITCH_ORDER = [  # (override, Switches change), cumulative, as in docs/memory.md's table
     ("--model.loss_chunk_size 8192", {"loss_chunk_size": 8192}),
     ("--model.mlp_tile_size 8192", {"mlp_tile_size": 8192}),
     ("--activation_checkpoint.mode selective", {"ac_mode": "selective"}),
@@ -65,7 +65,7 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
             to_sdpa += [(s, c, [*f, "--model.attn_backend sdpa"]) for s, c, f in hybrid]
     for order in (SWITCH_ORDER[:-1], SWITCH_ORDER):
         for sp, cp, flags in keep + to_sdpa:
-            trial = Layout(dp_shard=world // (sp * cp * layout.tp), sp=sp, tp=layout.tp, cp=cp)
+            trial = Layout(dp_shard=world // (sp * cp * layout.tp), sp=sp, tp=layout.tp, cp=cp, ep=layout.ep)
             sw, overrides = switches, {}
             for i in range(len(order) + 1):
                 if i:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from titan_ulysses.planning.fake_step import (
+    balanced_experts,
     cuda_kernel_choices,
     fake_world,
     offload_to_fake_host,
@@ -73,6 +74,11 @@ def track_step(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: i
         layers += " layers"
     step.traced = f"traced at {layers} x {sampled}" + \
         (f", extrapolated to {args.n_layers} layers x {seq_len:,} tokens" if extrapolated else "")
+    if args.moe is not None:  # fake tensors have no routing to read (fake_step.balanced_experts)
+        m = args.moe
+        step.traced += (f"; routing assumed balanced: each of the {m.num_experts} experts gets T x {m.top_k} / "
+                        f"{m.num_experts} of a rank's rows" + (f", each of the {layout.ep} ep ranks receives as many "
+                                                               f"as it sends" if layout.ep > 1 else ""))
     step.events = None
     return step
 
@@ -101,8 +107,9 @@ def _track(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, 
     host_kinds = CPU_OFFLOAD_KINDS if switches.cpu_offload else ()
     crossed: list[str] = []
     with fake_world(world), cuda_kernel_choices(), offload_to_fake_host(ActivationOffloader, token_scale, crossed), \
-            sharding_metadata_unseen():
-        pd = ParallelDims(dp_shard=layout.dp_shard, cp=layout.cp, sp=layout.sp, tp=layout.tp, world_size=world)
+            sharding_metadata_unseen(), balanced_experts():
+        pd = ParallelDims(dp_shard=layout.dp_shard, cp=layout.cp, sp=layout.sp, tp=layout.tp, ep=layout.ep,
+                          world_size=world)
         pd.build_mesh("cpu")
         with torch.device("meta"):
             model = build_model(args, compute)
@@ -125,6 +132,7 @@ def _track(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, 
                     poller.phase = "forward"
                     first = torch._C._autograd._get_sequence_nr()
                     loss = model(mb.tokens, positions=mb.positions, labels=mb.labels) / 1000.0
+                    loss = loss + _router_loss(model, pd, args, len(batches))
                     poller.forward_nodes = (first, torch._C._autograd._get_sequence_nr())
                     poller.phase = "loss backward"
                     loss.backward()
@@ -159,6 +167,22 @@ def _track(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, 
     return StepMemory(peak=max(p.peak for p in poller.phases.values()), phases=poller.phases,
                       host_peak=poller.host_peak, traced=f"{args.n_layers} layers x {seq_len:,} tokens",
                       events=poller.events, thresholds=sorted(set(crossed)))
+
+
+def _router_loss(model, dims, args: DecoderArgs, forwards: int):
+    """A mixture of experts' share of the objective, formed as the trainer's step forms it
+    (``distributed/utils.forward_backward``, which the tracker cannot call: it names the loss's backward apart):
+    the routing statistics taken off the model (held, their graph -- under AC every block's checkpointed
+    inputs, which the unused branch never unpacks -- would live on into the next step's forward), the
+    load-balancing loss over the ``loss`` mesh, ``aux_loss_coef`` x it over the step's forwards."""
+    from titan_ulysses.distributed.utils import router_aux_share
+
+    stats, model.router_stats = getattr(model, "router_stats", None), None
+    if stats is None or args.moe is None:
+        return 0.0
+    aux, _ = router_aux_share(stats, dims.get_mesh("loss"))
+    coef = args.moe.aux_loss_coef
+    return coef * aux / forwards if coef > 0 else 0.0
 
 
 def _compute(switches: Switches):

@@ -22,7 +22,11 @@ class ConsoleLogger:
             return
         mfu = metrics.get("mfu")
         print(
-            f"step {step:>5}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
+            f"step {step:>5}  loss {metrics['loss']:.4f}  "
+            + (f"aux_loss {metrics['aux_loss']:.4f}  " if "aux_loss" in metrics else "")
+            + (f"expert_load {metrics['expert_load_max_over_mean']:.2f}  "
+               if "expert_load_max_over_mean" in metrics else "")
+            + f"grad_norm {metrics['grad_norm']:.3f}  "
             f"lr {metrics['lr']:.2e}  tok/s/dev {metrics['tokens_per_sec_per_device']:,.0f}  "
             + (f"mfu {mfu:.1f}%  " if mfu is not None else "")
             + f"mem {metrics['max_memory_gib']:.2f} GiB"

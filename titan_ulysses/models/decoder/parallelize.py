@@ -74,8 +74,8 @@ def parallelize_decoder(
             raise ValueError("lora with tensor parallelism is not supported (config/manager.py says why)")
         apply_lora(model, options.lora, options.param_dtype)
     apply_ac(model, options.ac_mode, options.ac_layers_per_checkpoint)
-    if options.compile:
-        apply_compile(model)
+    if options.compile:  # experts: a graph break where their row counts are read (distributed/compile.py)
+        apply_compile(model, fullgraph=args.moe is None)
     if options.ac_mode == "full_offload":
         apply_activation_offload(model)  # outside the compiled region
     # FSDP2 is what casts parameters to param_dtype for compute, so a single rank with bf16

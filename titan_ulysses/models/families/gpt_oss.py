@@ -14,6 +14,7 @@ from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.decoder.spec import DecoderSpec
 from titan_ulysses.models.families.common import base_args, llama_tensors
 from titan_ulysses.models.families.moe_common import aux_coef, check_capacity, feed_forward
+from titan_ulysses.models.families.moe_memory import moe_layer_memory
 from titan_ulysses.models.moe.args import MoEArgs
 from titan_ulysses.models.registry import ExpertPart, HFConfigError, HFTensors, ModelFamily, register
 
@@ -61,4 +62,4 @@ def export_config(args: DecoderArgs, config: dict) -> dict:
 
 
 register(ModelFamily("gpt_oss", "GptOssForCausalLM", args_from_config, hf_tensors, export_config, "yarn",
-                     decoder=DecoderSpec(feed_forward=feed_forward, experts=True)))
+                     decoder=DecoderSpec(feed_forward=feed_forward, experts=True), layer_memory=moe_layer_memory))

@@ -12,6 +12,7 @@ from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.decoder.spec import DecoderSpec
 from titan_ulysses.models.families.common import base_args, check_common, llama_tensors
 from titan_ulysses.models.families.moe_common import aux_coef, check_capacity, expert_tensors, feed_forward
+from titan_ulysses.models.families.moe_memory import moe_layer_memory
 from titan_ulysses.models.moe.args import MoEArgs
 from titan_ulysses.models.registry import HFTensors, ModelFamily, register
 
@@ -38,4 +39,4 @@ def export_config(args: DecoderArgs, config: dict) -> dict:
 
 
 register(ModelFamily("mixtral", "MixtralForCausalLM", args_from_config, hf_tensors, export_config, "yarn",
-                     decoder=DecoderSpec(feed_forward=feed_forward, experts=True)))
+                     decoder=DecoderSpec(feed_forward=feed_forward, experts=True), layer_memory=moe_layer_memory))

@@ -11,8 +11,9 @@ import dataclasses
 
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.decoder.spec import DecoderSpec
-from titan_ulysses.models.families.common import base_args, check_common, llama_tensors
+from titan_ulysses.models.families.common import base_args, check_common, llama_tensors, qk_norm_bytes
 from titan_ulysses.models.families.moe_common import aux_coef, check_capacity, expert_tensors, feed_forward
+from titan_ulysses.models.families.moe_memory import moe_layer_memory
 from titan_ulysses.models.families.qwen import check_window
 from titan_ulysses.models.moe.args import MoEArgs
 from titan_ulysses.models.registry import HFConfigError, HFTensors, ModelFamily, register
@@ -52,5 +53,10 @@ def export_config(args: DecoderArgs, config: dict) -> dict:
             "output_router_logits": m.aux_loss_coef > 0, "router_aux_loss_coef": m.aux_loss_coef or 0.001}
 
 
+def layer_memory(decoder_terms, args: DecoderArgs, layout, switches, mode: str) -> float:
+    """The MoE layer's terms (``moe_memory.py``) and Qwen3's per-head q/k norms'."""
+    return moe_layer_memory(decoder_terms, args, layout, switches, mode) + qk_norm_bytes(args, layout, switches, mode)
+
+
 register(ModelFamily("qwen3_moe", "Qwen3MoeForCausalLM", args_from_config, hf_tensors, export_config, "yarn",
-                     decoder=DecoderSpec(feed_forward=feed_forward, experts=True)))
+                     decoder=DecoderSpec(feed_forward=feed_forward, experts=True), layer_memory=layer_memory))

@@ -22,5 +22,5 @@ def check_moe(args, ep: int, tp: int, lora_targets: tuple[str, ...] | None, sour
                          f"supported: shard the experts with expert_parallel_degree instead")
     on_experts = [t for t in lora_targets or () if t in EXPERT_PROJECTIONS]
     if on_experts and len(args.moe_dense_layers) < args.n_layers:
-        raise ValueError(f"lora.targets {','.join(on_experts)}: LoRA on experts is not supported ({source} routes its "
-                         f"feed-forward to experts); use lora.targets q_proj,k_proj,v_proj,o_proj")
+        raise ValueError(f"lora.target_modules {','.join(on_experts)}: LoRA on experts is not supported ({source} routes its "
+                         f"feed-forward to experts); use lora.target_modules q_proj,k_proj,v_proj,o_proj")

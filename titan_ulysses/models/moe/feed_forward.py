@@ -33,6 +33,8 @@ class MoEFeedForward(nn.Module):
             0, experts.reshape(-1), torch.ones_like(order))  # [E]
         token = order // k  # [T*k] the token of each sorted row
         rows = self.experts(flat[token], counts)  # [T*k, D]
+        # out of place: under FSDP the experts' output can be a view (FSDP2 warns so), and an in-place op on
+        # it would drop FSDP's pre-backward hook (the weights' all-gather)
         rows = rows * weights.reshape(-1)[order, None]  # [T*k, D]
         out = torch.zeros_like(flat).index_add_(0, token, rows.to(flat.dtype))  # [T, D]
         return out.view(b, s, d), stats

@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-from _gpu_common import Case, Skip, exact_fp32, rel_err
+from benchmarks.gpu_common import Case, Skip, exact_fp32, rel_err
 
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
@@ -156,49 +156,3 @@ CASES = [
     Case("attn_flex_cp4_docs_window_softcap", cp_case("flex", 1024, 30.0), 120, 5),
     Case("attn_flash_attn_cp4_docs_window", cp_case("flash_attn", 1024, 0.0), 20, 1),
 ]
-
-
-def bench_packed_case(ctx):
-    """Tokens/s of one attention call (fwd+bwd, bf16) at 128K tokens per backend: packed documents
-    (~16 of random length) against one document per window -- what packing costs or saves."""
-    import time
-
-    from titan_ulysses.ops.attention import BACKENDS, build_attention, build_attention_mask
-
-    s, hq, hkv, d = (256, 4, 1, 16) if ctx.dry_run else (131072, 4, 1, 128)  # the 8B's heads at sp 8
-    dtype = torch.bfloat16 if ctx.cuda else torch.float32
-    gen = torch.Generator().manual_seed(0)
-    base = [torch.randn(1, s, h, d, generator=gen).to(ctx.device, dtype) for h in (hq, hkv, hkv)]
-    starts = torch.rand(1, s, generator=gen) < 16 / s
-    starts[:, 0] = True
-    docs = starts.long().cumsum(1).to(ctx.device)
-    figures, skipped = {}, []
-    for name, backend in BACKENDS.items():
-        if (backend.cuda_only and not ctx.cuda) or (not ctx.cuda and not backend.cpu_backward):
-            skipped.append(name)
-            continue
-        try:
-            module = build_attention(name)
-        except ImportError:
-            skipped.append(name)
-            continue
-        for kind, ids in (("packed", docs), ("one_doc", None)):
-            q, k, v = (t.clone().requires_grad_() for t in base)
-            times = []
-            for _ in range(1 if ctx.dry_run else 4):  # the first (compile, mask) dropped on the GPU
-                if ctx.cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                out = module(q, k, v, build_attention_mask(name, ids))
-                out.backward(torch.ones_like(out))
-                if ctx.cuda:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            figures[f"{name}_{kind}_tok_s"] = round(s / min(times[1:] or times))
-    return {"status": "measured", "figures": figures,
-            "detail": f"one attention call fwd+bwd, [1, {s}, {hq}/{hkv} heads, {d}] {str(dtype).removeprefix('torch.')}, "
-                      f"~16 packed documents (mask built per call) vs one document; best of 3 after a warm-up"
-                      + (f"; not run: {', '.join(skipped)}" if skipped else "")}
-
-
-BENCH_CASES = [Case("bench_packed_128k", bench_packed_case, 150, 5)]

@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from _gpu_common import exact_fp32, rel_err
+from benchmarks.gpu_common import exact_fp32, rel_err
+
 
 def _rank_main(rank, world, init_file, backend, device_type, task, out_file):
     import faulthandler
@@ -275,3 +276,27 @@ def multiprocess_one_gpu(ctx):
             "detail": "; ".join(notes) or "fp32 model (dim 128, 8/2 heads, S=77; sp3 splits them unevenly) on gloo "
                                          "ranks sharing the device vs one process; tolerances loss 1e-5, grad 1e-4, "
                                          "params 1e-5 (rel.)"}
+
+
+# ---- ranks sharing the GPU: head stages, LoRA, cp against one process ------------------------
+
+def features_multirank(ctx):
+    """Head-staged Ulysses (AC full) and LoRA on gloo ranks sharing the device, each against
+    one process on the same device (fp32, AdamW steps, trained-like attention weights)."""
+    # not cp: its K/V all-gather is a functional collective, which segfaults on gloo with CUDA tensors
+    # (torch 2.11; seen on the H200 on 2026-11-26); cp's kernels are the attention cases' here and its
+    # layouts test_context_parallel's on CPU
+    cases = (("sp2_head_stages2_ac_full", {"sp": 2}, 2, {"ulysses_head_stages": 2, "ac_mode": "full"}, False),
+             ("sp2_lora", {"sp": 2}, 2, {}, True))
+    figures, notes, ok = {}, [], True
+    for name, layout, world, options, lora in cases:
+        res = spawn(world, "gloo", ctx.device.type, (model_equality, layout, 2, options, lora), ctx.timeout(150))
+        figures[name] = res
+        if "error" in res:
+            ok = False
+            notes.append(f"{name}: {res['error']}")
+        else:
+            ok &= res["loss"] < 1e-5 and res["grad"] < 1e-4 and res["param"] < 1e-5
+    return {"status": "pass" if ok else "fail", "figures": figures,
+            "detail": "; ".join(notes) or "fp32 model (dim 128, 8/2 heads, S=77, wq/wk x4) on gloo ranks sharing the "
+                                         "device vs one process, 2 AdamW steps; loss 1e-5, grads 1e-4, params 1e-5 (rel.)"}

@@ -28,12 +28,7 @@ import time
 
 import torch
 
-from _gpu_correctness import train
-from _runs import ROOT
-from _gpu_attention import BENCH_CASES as ATTENTION_BENCH
-from _gpu_common import Case, Skip
-
-CONFIGS = os.path.join(ROOT, "train_configs")
+from benchmarks.gpu_common import CONFIGS, ROOT, Case, Skip, train
 # Synthetic passkey rows are not packed, so sdpa (cuDNN / flash kernels) needs no document
 # mask; the GPU configs default to flex for packed text. The 2026-11-23 figures used sdpa.
 SYNTHETIC = ["--training.dataset", "passkey", "--model.tokenizer", "byte", "--metrics.enable_tensorboard", "false",
@@ -46,7 +41,7 @@ LONG = ["--activation_checkpoint.mode", "full_offload", "--model.mlp_tile_size",
 # ---- bench ---------------------------------------------------------------------------------
 
 def bench_attention_case(ctx):
-    import bench_attention
+    import bench_attention  # scripts/bench_attention.py: the runner's own folder is first on the path
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "rows.json")
@@ -64,6 +59,47 @@ def bench_attention_case(ctx):
     verdict = "" if best is None else f"; best at 32K+: {100 * best:.0f}% (target 50%: {'met' if best >= 0.5 else 'not met'})"
     return {"status": "measured", "figures": {"matmul_tflops": rows[0]["matmul_tflops"], **figures},
             "detail": "% of the measured matmul rate, causal fwd+bwd, 4 q heads / 1 kv head, head_dim 128" + verdict}
+
+
+def bench_packed_case(ctx):
+    """Tokens/s of one attention call (fwd+bwd, bf16) at 128K tokens per backend: packed documents
+    (~16 of random length) against one document per window -- what packing costs or saves."""
+    from titan_ulysses.ops.attention import BACKENDS, build_attention, build_attention_mask
+
+    s, hq, hkv, d = (256, 4, 1, 16) if ctx.dry_run else (131072, 4, 1, 128)  # the 8B's heads at sp 8
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(1, s, h, d, generator=gen).to(ctx.device, dtype) for h in (hq, hkv, hkv)]
+    starts = torch.rand(1, s, generator=gen) < 16 / s
+    starts[:, 0] = True
+    docs = starts.long().cumsum(1).to(ctx.device)
+    figures, skipped = {}, []
+    for name, backend in BACKENDS.items():
+        if (backend.cuda_only and not ctx.cuda) or (not ctx.cuda and not backend.cpu_backward):
+            skipped.append(name)
+            continue
+        try:
+            module = build_attention(name)
+        except ImportError:
+            skipped.append(name)
+            continue
+        for kind, ids in (("packed", docs), ("one_doc", None)):
+            q, k, v = (t.clone().requires_grad_() for t in base)
+            times = []
+            for _ in range(1 if ctx.dry_run else 4):  # the first (compile, mask) dropped on the GPU
+                if ctx.cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = module(q, k, v, build_attention_mask(name, ids))
+                out.backward(torch.ones_like(out))
+                if ctx.cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            figures[f"{name}_{kind}_tok_s"] = round(s / min(times[1:] or times))
+    return {"status": "measured", "figures": figures,
+            "detail": f"one attention call fwd+bwd, [1, {s}, {hq}/{hkv} heads, {d}] {str(dtype).removeprefix('torch.')}, "
+                      f"~16 packed documents (mask built per call) vs one document; best of 3 after a warm-up"
+                      + (f"; not run: {', '.join(skipped)}" if skipped else "")}
 
 
 def train_cell(config: str, compile_on: bool, precision: str, ac: str, extra: list[str], seq_len: int,
@@ -254,7 +290,7 @@ def cell_steps(compile_on: bool, precision: str, ac: str, extra: tuple = ()):
 K = 1024
 BENCH_CASES = [
     Case("bench_attention", bench_attention_case, 120, 10),
-    *ATTENTION_BENCH,
+    Case("bench_packed_128k", bench_packed_case, 150, 5),
     *[Case(f"8b_128k_sim8_{'compile' if c else 'eager'}_{p}_{ac}",
            train_cell(os.path.join(CONFIGS, "llama3_8b_128k.toml"), c, p, ac, SIM8, 128 * K), 110, 10)
       for c, p, ac in ((True, "bf16", "selective"), (True, "float8", "selective"), (True, "bf16", "full"),
