@@ -19,8 +19,9 @@ The rule (docs/run_spec.md), in one place:
    A resume is the same run going on: there a changed model setting is refused unless
    ``checkpoint.override_recorded`` lists it, and named when it does (``config/resume.py``).
 4. The tokenizer: ``model.tokenizer``; unset, the folder's tokenizer.json when it has one, else the
-   byte tokenizer. Ids beyond the model's vocabulary, or a model with a pretrained vocabulary (a
-   Hugging Face folder's) and a tokenizer with fewer than half its ids, are a one-line refusal.
+   byte tokenizer. Ids beyond the model's vocabulary, or pretrained weights (a Hugging Face folder's
+   safetensors, a checkpoint of a run from one) and a tokenizer with fewer than half the ids of their
+   vocabulary, are a one-line refusal (an architecture alone, randomly initialised, takes any tokenizer).
 5. The weights: ``checkpoint/weight_source.py``'s order; the data settings: the config's.
 """
 
@@ -111,7 +112,7 @@ def _rope(scaling) -> str:
 
 
 def _model(config: JobConfig, start: str) -> tuple[DecoderArgs, str, str, bool, tuple, tuple]:
-    """(args, source, record dir, pretrained vocabulary, overrides named, notes)."""
+    """(args, source, record dir, pretrained vocabulary of the record, overrides named, notes)."""
     m = config.model
     record = read_model_record(start) if _is_checkpoint(start) else None
     folder = hf_folder(config, start if record is not None else "")
@@ -123,7 +124,7 @@ def _model(config: JobConfig, start: str) -> tuple[DecoderArgs, str, str, bool, 
                 raise ConfigError(f"model.hf_assets_path: {e}") from e
             args = apply_model_settings(args, m, read_hf_config(folder).get("max_position_embeddings", 0),
                                         "model.hf_assets_path")
-            return args, f"{describe(args)} (from {folder}/config.json)", "", True, (), ()
+            return args, f"{describe(args)} (from {folder}/config.json)", "", False, (), ()
         try:
             args = apply_model_settings(get_flavor(m.flavor), m, source=f"model.flavor {m.flavor!r}")
         except ValueError as e:
@@ -195,6 +196,8 @@ def resolve_run(config: JobConfig, start: str | None = None, tokenizer: bool = T
     args, source, record, pretrained, named, notes = _model(config, start)
     m = config.model
     kind, path, _ = tokenizer_source(m)
+    weights = fresh_source(config)
+    pretrained = pretrained or weights.kind == "hf"  # an architecture alone (random init) has no vocabulary yet
     tok, vocab = None, 0
     if tokenizer:
         try:
@@ -208,6 +211,6 @@ def resolve_run(config: JobConfig, start: str | None = None, tokenizer: bool = T
     m.tokenizer = kind
     t = config.training
     return RunSpec(args=args, source=source, hf_folder=m.hf_assets_path, record=record, tokenizer=kind,
-                   tokenizer_path=path, tokenizer_vocab=vocab, weights=fresh_source(config), seq_len=t.seq_len,
+                   tokenizer_path=path, tokenizer_vocab=vocab, weights=weights, seq_len=t.seq_len,
                    dataset=t.dataset, dataset_path=t.dataset_path, overrides=named, notes=notes,
                    tokenizer_object=tok)
