@@ -45,12 +45,12 @@ import dataclasses
 import json
 import sys
 
-from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.planning.estimate import estimate, largest_seq_len
 from titan_ulysses.planning.inputs import GIB, Switches, from_config
 from titan_ulysses.planning.recommend import BUDGET, recommend
 from titan_ulysses.preflight import validate
+from titan_ulysses.run_spec import resolve_run
 
 def saved_bytes(model, tokens, positions=None) -> int:
     """Bytes autograd keeps for backward in ``model(tokens, labels=tokens)``, parameters excluded."""
@@ -169,6 +169,17 @@ def measure_cuda_peak(argv: list[str], world: int) -> float:
     return float(torch.cuda.max_memory_allocated())
 
 
+def prepare(config_argv: list[str], world_size: int):
+    """(config, spec, layout): the model as train.py resolves it (``run_spec``), without reading the tokenizer
+    (this may run where its file is absent); SystemExit naming a refusal."""
+    try:
+        config = load_config(config_argv)
+        spec = resolve_run(config, tokenizer=False)
+        return config, spec, validate(config, world_size, spec)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from e
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
@@ -180,13 +191,8 @@ def main(argv=None) -> int:
                    help="also track a step's memory on CPU under fake tensors, phase by phase (see above)")
     a, overrides = p.parse_known_args(argv)
     config_argv = ["--config", a.config, *overrides]
-    try:
-        config = load_config(config_argv)
-        resolve_hf_assets(config)  # a Hub id -> its snapshot folder
-        dims = validate(config, a.world_size)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from e
-    args, layout, switches = from_config(config, dims)
+    config, spec, dims = prepare(config_argv, a.world_size)
+    args, layout, switches = from_config(config, dims, spec.args)
     t = config.training
     est = estimate(args, layout, switches, t.seq_len, t.local_batch_size)
     device = a.device_memory_gib * GIB

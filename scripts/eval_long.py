@@ -5,6 +5,8 @@ and passkey / multi-key needle retrieval in real text, with the run's own tokeni
         --checkpoint outputs/X/checkpoint/step-N --data held_out/ [--seq-len 131072] \\
         [--buckets 8] [--max-docs 32] [--keys 1,4] [--needle-samples 8] --output outputs/X/eval_long
 
+The model, its RoPE and the tokenizer are the run spec's (``titan_ulysses/run_spec.py``), with
+``--checkpoint`` as the record: what it records wins over the config, as for a start checkpoint.
 The model is laid out as the config says (Ulysses, context parallelism, FSDP, tensor
 parallelism; ``--section.key value`` overrides), so a length that trained evaluates.
 ``--checkpoint`` may also be a Hugging Face folder of the config's shapes (e.g. its
@@ -26,6 +28,7 @@ Writes ``<output>.json`` and ``<output>.png`` (loss by position, retrieval by nu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -36,16 +39,14 @@ import torch.distributed as dist
 
 from titan_ulysses.checkpoint.eval_model import check_weights, load_eval_model, weights_kind
 from titan_ulysses.checkpoint.verify import verify_checkpoint
-from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.sources import DataError, list_files, read_rows, text_field, work_items
-from titan_ulysses.data.tokenizer import resolve_tokenizer
 from titan_ulysses.distributed.setup import init_distributed
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.loss import IGNORE_INDEX
 from titan_ulysses.preflight import validate
+from titan_ulysses.run_spec import resolve_run
 
 NAMES = ["Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jules", "Kofi", "Lena",
          "Mateo", "Nadia", "Oscar", "Priya"]
@@ -220,17 +221,22 @@ def draw(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def prepare(a, overrides: list[str], world: int):
+    """(config, spec, layout) before any process group: the run's spec as train.py resolves it, with the
+    checkpoint's record (its RoPE, its hf_assets/); a ConfigError naming a refusal."""
+    config = load_config(["--config", a.config, *overrides])
+    config.training.seq_len = a.seq_len or config.training.seq_len
+    spec = resolve_run(config, start=a.checkpoint)
+    return config, spec, validate(config, world, spec)
+
+
 def main(argv=None) -> int:
     a, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        config = load_config(["--config", a.config, *overrides])
-        resolve_hf_assets(config)  # a Hub id -> its snapshot folder
-        seq_len = a.seq_len or config.training.seq_len
-        config.training.seq_len = seq_len
-        pd = validate(config, world)
-        tokenizer = resolve_tokenizer(config.model)  # the run's tokenizer, resolved as train.py resolves it
-        args = model_args(config, tokenizer.vocab_size)
+        config, spec, pd = prepare(a, overrides, world)
+        seq_len = config.training.seq_len
+        tokenizer, args = spec.tokenizer_object, spec.args
         check_weights(a.checkpoint, args)
         docs = read_documents(a.data, tokenizer)
     except (ConfigError, DataError) as e:
@@ -244,9 +250,13 @@ def main(argv=None) -> int:
     model = load_eval_model(args, ComputeOptions.from_config(config.model), pd, device, a.checkpoint)
     result = {"checkpoint": a.checkpoint, "config": a.config, "overrides": overrides, "data": a.data,
               "layout": pd.degrees, "seq_len": seq_len, "needle_samples": a.needle_samples,
+              "rope_theta": args.rope_theta,
+              "rope_scaling": dataclasses.asdict(args.rope_scaling) if args.rope_scaling else None,
               "loss_by_position": loss_by_position(model, pd, windows, a.buckets, tokenizer.pad_id, device),
               "needles": needles(model, pd, tokenizer, filler, seq_len, a.keys, a.needle_samples, device)}
     if dist.get_rank() == 0:
+        for note in (*spec.notes, *(f"override: {o}" for o in spec.overrides)):
+            print(f"note: {note}", flush=True)
         os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
         with open(a.output + ".json", "w") as f:
             json.dump(result, f, indent=1)

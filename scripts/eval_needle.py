@@ -7,11 +7,12 @@
 (the figure of the README's main job; ``docs/figures/needle_debug_model`` is ``debug_model.toml``'s
 ``step-100`` with ``--lengths 128,256,512,1024 --depths 0,0.25,0.5,0.75,1``.)
 
-What the checkpoint records wins over the config: the model arguments of its
+What the checkpoint records wins over the config, by ``titan_ulysses/run_spec.py``'s rule (the
+checkpoint is the record, as a start checkpoint is in training): the model arguments of its
 ``model_args.json`` (shapes, RoPE theta and scaling; its ``hf_assets/`` when the config names
 no Hugging Face folder) and the data settings it was trained with (``trained_seq_len``, the
-pass key's digits, the tokenizer). ``--model.rope_theta`` / ``--model.rope_scaling_factor`` /
-``--training.passkey_digits`` on the command line still override them, with a note.
+pass key's digits, the tokenizer). A RoPE setting that changes the record is refused unless
+``--checkpoint.override_recorded`` lists it (then named); ``--training.passkey_digits`` overrides.
 
 The model is laid out exactly as the training config says (Ulysses degree, FSDP), so
 evaluation at a length needs what training at that length needs; further ``--section.key
@@ -26,7 +27,6 @@ a digit are reported too (chance: 0.1 and ln 10 = 2.30). Writes ``<output>.json`
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
@@ -36,18 +36,16 @@ import torch
 import torch.distributed as dist
 
 from titan_ulysses.checkpoint.eval_model import load_eval_model
-from titan_ulysses.checkpoint.hf_export import ASSETS, read_data_settings, read_model_record
+from titan_ulysses.checkpoint.hf_export import read_data_settings
 from titan_ulysses.checkpoint.verify import verify_checkpoint
-from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.datasets import make_passkey_tokens, random_passkey
 from titan_ulysses.data.sharding import shard_batch
-from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
 from titan_ulysses.distributed.setup import init_distributed
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.resolve import model_args
 from titan_ulysses.ops.loss import IGNORE_INDEX
 from titan_ulysses.preflight import validate
+from titan_ulysses.run_spec import resolve_run
 
 
 def parse_args(argv):
@@ -79,50 +77,27 @@ def _given(overrides: list[str], key: str) -> bool:
     return any(o == f"--{key}" or o.startswith(f"--{key}=") for o in overrides)
 
 
-def apply_record(config, checkpoint: str, overrides: list[str]) -> tuple[dict | None, list[str]]:
-    """Set the config's model source, tokenizer and pass key digits from what the checkpoint records.
+def apply_record(config, checkpoint: str, overrides: list[str], spec) -> tuple[dict | None, list[str]]:
+    """The pass key digits from the data settings the checkpoint records (the model, its RoPE and the
+    tokenizer are ``spec``'s: ``run_spec.resolve_run`` with the checkpoint as the record).
 
     Returns (the checkpoint's data settings or None, notes for the user).
     """
-    notes = []
-    record = read_model_record(checkpoint)
-    assets = os.path.join(checkpoint, ASSETS)
-    if record is None:
+    notes = list(spec.notes) + [f"override: {o}" for o in spec.overrides]
+    if not spec.record:
         notes.append(f"{checkpoint} has no model_args.json (written before it existed): the model comes from "
                      f"the config")
-    elif record[1] is not None and not config.model.hf_assets_path and os.path.isdir(assets):
-        config.model.hf_assets_path = assets  # the architecture (and tokenizer files) of a run from a HF folder
     settings = read_data_settings(checkpoint)
     if settings is None:
         notes.append(f"{checkpoint} records no data settings: trained_seq_len is unknown")
         return None, notes
-    if settings.get("tokenizer") not in (None, config.model.tokenizer):
+    if settings.get("tokenizer") not in (None, spec.tokenizer):
         raise SystemExit(f"the checkpoint was trained with model.tokenizer {settings['tokenizer']!r} but the config "
-                         f"says {config.model.tokenizer!r}: pass --model.tokenizer {settings['tokenizer']} "
+                         f"says {spec.tokenizer!r}: pass --model.tokenizer {settings['tokenizer']} "
                          f"(and its path)")
     if "passkey_digits" in settings and not _given(overrides, "training.passkey_digits"):
         config.training.passkey_digits = settings["passkey_digits"]
     return settings, notes
-
-
-def recorded_args(checkpoint: str, args, overrides: list[str], notes: list[str]):
-    """The checkpoint's model arguments (with this run's runtime switches from ``args``, the config's)."""
-    record = read_model_record(checkpoint)
-    if record is None:
-        return args
-    saved = record[0]
-    runtime = {f: getattr(args, f) for f in ("attn_backend", "sdpa_backends", "mlp_tile_size", "loss_chunk_size")
-               if hasattr(args, f)}
-    if _given(overrides, "model.rope_theta"):
-        runtime["rope_theta"] = args.rope_theta
-    if _given(overrides, "model.rope_scaling_factor"):
-        runtime["rope_scaling"] = args.rope_scaling
-    chosen = dataclasses.replace(saved, **runtime)
-    for field in ("rope_theta", "rope_scaling"):
-        if getattr(chosen, field) != getattr(args, field) or field in runtime:
-            src = "the command line" if field in runtime else "the checkpoint's model_args.json"
-            notes.append(f"{field} {getattr(chosen, field)} from {src} (the config says {getattr(args, field)})")
-    return chosen
 
 
 def passkey(length: int, depth: float, i: int, digits: int) -> int:
@@ -198,20 +173,22 @@ def draw(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def prepare(a, overrides: list[str], world: int):
+    """(config, spec, data settings, notes, layout) before any process group; SystemExit naming a refusal."""
+    try:
+        config = load_config(["--config", a.config, *overrides])
+        spec = resolve_run(config, start=a.checkpoint)  # the checkpoint's record, as training resolves a start
+        settings, notes = apply_record(config, a.checkpoint, overrides, spec)
+        return config, spec, settings, notes, validate(config, world, spec)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from e
+
+
 def main(argv=None) -> int:
     a, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        config = load_config(["--config", a.config, *overrides])
-        resolve_hf_assets(config)  # a Hub id -> its snapshot folder
-        settings, notes = apply_record(config, a.checkpoint, overrides)
-        pd = validate(config, world)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from e
-    try:
-        tokenizer = resolve_tokenizer(config.model)
-    except TokenizerError as e:
-        raise SystemExit(f"data error: {e}") from e
+    config, spec, settings, notes, pd = prepare(a, overrides, world)
+    tokenizer = spec.tokenizer_object
     digits = config.training.passkey_digits
     for length in a.lengths:  # refuse a too-short length before any process group
         try:
@@ -220,7 +197,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--lengths: {length} is too short for a passkey prompt ({e})") from e
     device = init_distributed()
     pd.build_mesh(device.type)
-    args = recorded_args(a.checkpoint, model_args(config, tokenizer.vocab_size), overrides, notes)
+    args = spec.args
     model = load_eval_model(args, ComputeOptions.from_config(config.model), pd, device, a.checkpoint)
     grid = [[evaluate_cell(model, pd, tokenizer, device, length, depth, a.samples, digits) for length in a.lengths]
             for depth in a.depths]

@@ -26,7 +26,6 @@ Checkpoints written before the record existed: pass --flavor (and --rope-theta /
 """
 
 import argparse
-import dataclasses
 import re
 import sys
 
@@ -34,8 +33,8 @@ import torch
 
 from titan_ulysses.checkpoint.hf_export import export_hf, source_dtype
 from titan_ulysses.checkpoint.lora_export import export_peft_adapter
-from titan_ulysses.models.decoder.args import RopeScaling
-from titan_ulysses.models.flavors import get_flavor
+from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.run_spec import resolve_run
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -46,6 +45,25 @@ def parse_size(text: str) -> int:
     if not match or match.group(2).upper() not in _UNITS:
         raise argparse.ArgumentTypeError(f"--max-shard-size {text!r}: use e.g. 5GB, 500MB or 2GiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def spec_args(a, settings: list[str]):
+    """The model of the checkpoint by the run spec's rule (``titan_ulysses/run_spec.py``), as training and the
+    evals resolve it: its record wins; --flavor / --rope-* (checkpoints without a record) and further
+    ``--section.key value`` settings are the config (a RoPE setting that changes the record is refused unless
+    ``--checkpoint.override_recorded`` lists it). Nothing is written before export_hf verifies the checkpoint."""
+    flags = [("--model.flavor", a.flavor), ("--model.rope_theta", a.rope_theta),
+             ("--model.rope_scaling_factor", a.rope_scaling_factor)]
+    argv = [x for key, value in flags if value for x in (key, str(value))] + settings
+    try:
+        config = load_config(argv)
+        spec = resolve_run(config, start=a.checkpoint, tokenizer=False)
+    except ConfigError as e:
+        raise ValueError(str(e)) from e
+    if not spec.record and not a.flavor and not config.model.hf_assets_path:
+        raise ValueError(f"{a.checkpoint!r} has no model_args.json (a checkpoint written before it existed); "
+                         f"pass --flavor (and the run's rope overrides)")
+    return spec.args
 
 
 def main(argv=None) -> int:
@@ -67,21 +85,13 @@ def main(argv=None) -> int:
                         help="LoRA checkpoints: write only the adapters, as a peft folder")
     parser.add_argument("--base-model", default="",
                         help="with --adapter-only: base_model_name_or_path to write (default: the run's model.hf_assets_path)")
-    a = parser.parse_args(argv)
-    args = None
-    if a.flavor:
-        args = get_flavor(a.flavor)
-        if a.rope_theta > 0:
-            args = dataclasses.replace(args, rope_theta=a.rope_theta)
-        if a.rope_scaling_factor > 0:
-            args = dataclasses.replace(
-                args, rope_scaling=dataclasses.replace(args.rope_scaling or RopeScaling(), factor=a.rope_scaling_factor)
-            )
+    a, settings = parser.parse_known_args(argv)
     try:
         if a.adapter_only:
             written = export_peft_adapter(a.checkpoint, a.output, a.base_model)
             print(f"wrote {a.output}: {', '.join(written)}")
             return 0
+        args = spec_args(a, settings)
         dtype = getattr(torch, a.dtype) if a.dtype else None  # None: export_hf takes source_dtype's, once verified
         written = export_hf(a.checkpoint, args, a.output, dtype, a.max_position_embeddings, a.max_shard_size)
         dtype, how = (dtype, "--dtype") if dtype else source_dtype(a.checkpoint)

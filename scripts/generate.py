@@ -24,15 +24,13 @@ import torch
 import torch.distributed as dist
 
 from titan_ulysses.checkpoint.eval_model import check_weights, load_eval_model
-from titan_ulysses.checkpoint.hub import resolve_hf_assets
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.chat import load_chat_template
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.sources import DataError
-from titan_ulysses.data.tokenizer import resolve_tokenizer
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.resolve import model_args
 from titan_ulysses.preflight import validate
+from titan_ulysses.run_spec import resolve_run
 from titan_ulysses.distributed.setup import init_distributed
 
 
@@ -86,10 +84,9 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config = load_config(["--config", a.config, *overrides])
-        resolve_hf_assets(config)  # a Hub id -> its snapshot folder
-        pd = validate(config, world)
-        tokenizer = resolve_tokenizer(config.model)
-        args = model_args(config, tokenizer.vocab_size)
+        spec = resolve_run(config, start=a.checkpoint)  # the checkpoint's record (its RoPE), as training resolves it
+        pd = validate(config, world, spec)
+        tokenizer, args = spec.tokenizer_object, spec.args
         check_weights(a.checkpoint, args)
         ids = prompt_ids(a, config, tokenizer)
     except (ConfigError, DataError) as e:

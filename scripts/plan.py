@@ -55,10 +55,10 @@ def tokens_per_second(args, seq_len: int, ac_mode: str, matmul_tflops: float) ->
 
 def plan_config(a):
     """The JobConfig of the plan, its layout and the memory estimate, or SystemExit naming why not."""
-    from titan_ulysses.checkpoint.hub import resolve_hf_assets
     from titan_ulysses.config.manager import ConfigError, _set, load_config
     from titan_ulysses.data.sources import DataError
     from titan_ulysses.preflight import check_files, validate
+    from titan_ulysses.run_spec import resolve_run
     from titan_ulysses.planning.estimate import estimate
     from titan_ulysses.planning.inputs import GIB, from_config
     from titan_ulysses.planning.recommend import BUDGET, recommend
@@ -70,10 +70,10 @@ def plan_config(a):
         "--model.flavor", a.flavor]
     try:
         config = load_config(base)
-        resolve_hf_assets(config)  # a Hub id -> its snapshot folder
-        dims = validate(config, a.gpus)  # the trainer's pre-flight: what it refuses is not planned for
-        check_files(config)
-        args, layout, switches = from_config(config, dims)
+        spec = resolve_run(config, tokenizer=False)  # the model as train.py resolves it
+        dims = validate(config, a.gpus, spec)  # the trainer's pre-flight: what it refuses is not planned for
+        spec = check_files(config, spec)  # the files, then the tokenizer against the model
+        args, layout, switches = from_config(config, dims, spec.args)
         rec = recommend(args, layout, switches, a.seq_len, 1, a.gpus, BUDGET * a.gpu_memory_gib * GIB)
         if rec is None:
             raise SystemExit(f"plan: no layout of {a.gpus} GPUs and no memory switch fits seq_len {a.seq_len} in "
@@ -81,10 +81,10 @@ def plan_config(a):
         for flag in rec[1]:
             key, value = flag.split()
             _set(config, key[2:], value, from_cli=True)
-        dims = validate(config, a.gpus)
+        dims = validate(config, a.gpus, spec)
     except (ConfigError, DataError) as e:
         raise SystemExit(f"plan: {e}") from e
-    args, layout, switches = from_config(config, dims)
+    args, layout, switches = from_config(config, dims, spec.args)
     return config, dims, args, estimate(args, layout, switches, a.seq_len, 1), rec[1]
 
 

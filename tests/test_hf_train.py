@@ -166,7 +166,7 @@ def test_help_lists_sections_keys_defaults_and_docstrings(capsys):
     out = capsys.readouterr().out
     assert "[model]" in out and "[checkpoint]" in out and "--training.seq_len 2048" in out
     assert "--model.hf_assets_path ''" in out and "huggingface-cli download" in out
-    assert "--checkpoint.initial_load_in_hf None" in out and "(one of byte, tiktoken, hf)" in out
+    assert "--checkpoint.initial_load_in_hf None" in out and "(one of '', byte, tiktoken, hf)" in out
 
 
 @pytest.fixture

@@ -43,14 +43,14 @@ from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.metrics.loggers.wandb_logger import login_problem
-from titan_ulysses.models.resolve import model_args
 from titan_ulysses.layout_checks import Run, run_checks
 from titan_ulysses.ops.attention import check_attention_settings
+from titan_ulysses.run_spec import RunSpec, resolve_run
 
 
-def validate(config: JobConfig, world_size: int) -> ParallelDims:
+def validate(config: JobConfig, world_size: int, spec: RunSpec | None = None) -> ParallelDims:
     """Every setting's range and the cross-field checks that need only the world size (and the
-    model's config.json); returns the ParallelDims to build.
+    model: ``spec``'s, else resolved here without reading the tokenizer); returns the ParallelDims to build.
 
     In ``comm.mode = "fake"`` the job must be one process and the layout is checked
     against ``comm.fake_world_size``.
@@ -65,7 +65,7 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
         )
     except ValueError as e:
         raise ConfigError(f"parallelism: {e}") from e
-    args = model_args(config)
+    args = (spec or resolve_run(config, tokenizer=False)).args
     source = f"model.hf_assets_path {config.model.hf_assets_path!r}" if config.model.hf_assets_path else (
         f"model.flavor {config.model.flavor!r}")
     run_checks(Run(config, dims, args, source))  # layout_checks.py: one row per component, in order
@@ -73,14 +73,14 @@ def validate(config: JobConfig, world_size: int) -> ParallelDims:
     return dims
 
 
-def check_files(config: JobConfig) -> None:
+def check_files(config: JobConfig, spec: RunSpec | None = None) -> RunSpec:
     """Every file a setting names exists and fits the model: one line naming the setting, before any weight is read.
 
     Separate from ``validate`` (which tools such as estimate_memory run on machines without
-    the data); the trainer runs both before any process group starts.
+    the data); the trainer runs both before any process group starts. Returns the run's spec, its
+    tokenizer read (``run_spec.resolve_run``: the ids against the model's vocabulary).
     """
     m, c = config.model, config.checkpoint
-    args = model_args(config)
     if m.tokenizer == "tiktoken" and not os.path.isfile(m.tokenizer_path):
         raise ConfigError(f"model.tokenizer_path {m.tokenizer_path!r} is not a file (a Llama-3 tokenizer.model)")
     if m.tokenizer == "hf":
@@ -90,8 +90,9 @@ def check_files(config: JobConfig) -> None:
             raise ConfigError(f"model.{'tokenizer_path' if m.tokenizer_path else 'hf_assets_path'}: {e}") from e
     # the file read whole (a broken tokenizer.json, no EOS, a garbage tiktoken file) and its ids
     # against the model's vocabulary, before any process group (issue 20)
-    tokenizer = load_tokenizer(config)
-    model_args(config, tokenizer.vocab_size)
+    if spec is None or spec.tokenizer_object is None:
+        spec = resolve_run(config)
+    tokenizer, args = spec.tokenizer_object, spec.args
     if any(kind == "sft" for _, kind, _ in _datasets(config)):  # the chat template parses (a DataError naming it)
         from titan_ulysses.data.chat import load_chat_template
 
@@ -110,14 +111,15 @@ def check_files(config: JobConfig) -> None:
     t, v = config.training, config.validation
     if "passkey" in (t.dataset, (v.dataset or t.dataset) if v.enable else None):
         try:  # a sample is built in the data loader's workers, where a refusal would be a traceback
-            check_passkey_fits(load_tokenizer(config), t.seq_len, t.passkey_digits)
+            check_passkey_fits(spec.tokenizer_object, t.seq_len, t.passkey_digits)
         except ValueError as e:
             raise ConfigError(str(e)) from e
+    return spec
 
 
-def check_launch(config: JobConfig) -> tuple[ParallelDims, str | None]:
+def check_launch(config: JobConfig) -> tuple[ParallelDims, RunSpec, str | None]:
     """Every check a launch makes before it joins the process group, in the order that matters;
-    returns the layout and the start record's note for the start-up line.
+    returns the layout, the run's spec and the start record's note for the start-up line.
 
     A Hub id in ``model.hf_assets_path`` first becomes its snapshot folder (``checkpoint/hub.py``);
     then the start checkpoint's record (it may give the architecture), the dataset files before
@@ -128,15 +130,16 @@ def check_launch(config: JobConfig) -> tuple[ParallelDims, str | None]:
     note = adopt_start_record(config)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     check_dataset_files(config)
-    dims = validate(config, world_size)
-    check_files(config)
+    spec = resolve_run(config, tokenizer=False)  # the tokenizer once check_files has checked its file
+    dims = validate(config, world_size, spec)
+    spec = check_files(config, spec)
     problem = output_folders_problem(config)
     if problem:
         raise ConfigError(problem)
-    return dims, note
+    return dims, spec, note
 
 
-def check_device(config: JobConfig, dims: ParallelDims, device) -> None:
+def check_device(config: JobConfig, dims: ParallelDims, device, args=None) -> None:
     """The checks that need this rank's device, once it has joined the job: what the attention
     backend cannot do on it (refused), and on CUDA rank 0's warning when the memory estimate
     exceeds the device."""
@@ -148,7 +151,7 @@ def check_device(config: JobConfig, dims: ParallelDims, device) -> None:
         from titan_ulysses.planning.recommend import memory_warning  # the planner only when it may speak
 
         total = torch.cuda.get_device_properties(device).total_memory
-        warning = memory_warning(config, dims, dist.get_world_size(), total)
+        warning = memory_warning(config, dims, dist.get_world_size(), total, args)
         if warning:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
 
@@ -167,16 +170,16 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
     resolve_hf_assets(config)  # a Hub id -> its snapshot folder (downloaded unless HF_HUB_OFFLINE)
     # as the trainer: the start checkpoint may give the architecture; verified whole here (one process)
     record_note = adopt_start_record(config, shards=ALL)
-    dims = validate(config, world_size)
-    check_files(config)
+    spec = resolve_run(config, tokenizer=False)  # the tokenizer once check_files has checked its file
+    dims = validate(config, world_size, spec)
+    spec = check_files(config, spec)
     # what a launch finds out only once started: the output folders, a W&B login (wandb.init)
     problem = output_folders_problem(config) or (login_problem() if config.metrics.enable_wandb else None)
     if problem:
         raise ConfigError(problem)
-    tokenizer = load_tokenizer(config)
     from titan_ulysses.planning import dry_run  # here: a launch imports this module, and needs no planner
 
-    return dry_run.describe(config, world_size, dims, tokenizer, _datasets(config), device_gib, record_note)
+    return dry_run.describe(config, world_size, dims, spec, _datasets(config), device_gib, record_note)
 
 
 def _datasets(config: JobConfig) -> list[tuple[str, str, str]]:

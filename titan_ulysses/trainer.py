@@ -14,10 +14,9 @@ import torch.distributed as dist
 from titan_ulysses.checkpoint.build import build_checkpointer, load_weights, lock_run_folders
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError, resolved_global_batch_size
-from titan_ulysses.config.resume import resume_settings, settings_changes
+from titan_ulysses.config.resume import overrides, resume_changes, resume_settings
 from titan_ulysses.data.build import build_data
 from titan_ulysses.data.microbatches import StepBatches
-from titan_ulysses.data.tokenizer import resolve_tokenizer
 from titan_ulysses.distributed.float8 import precompute_float8_scales
 from titan_ulysses.distributed.lora import parameter_counts
 from titan_ulysses.distributed.setup import build_mesh, join_job
@@ -30,7 +29,6 @@ from titan_ulysses.metrics.startup import startup_line
 from titan_ulysses.metrics.step_log import StepLog
 from titan_ulysses.metrics.system import WaitTimer
 from titan_ulysses.models.build import build_parallel_model
-from titan_ulysses.models.resolve import model_args
 from titan_ulysses.optim import build_optimizers, follow_config
 from titan_ulysses.preflight import check_device, check_launch
 
@@ -47,12 +45,12 @@ class Trainer:
         self.config = config
         t = config.training
         # checks: everything that can refuse the run, before any process group
-        self.parallel_dims, record_note = check_launch(config)
+        self.parallel_dims, self.spec, record_note = check_launch(config)
         pd = self.parallel_dims
         self.fake = config.comm.mode == "fake"
         # mesh
         self.device = join_job(config)
-        check_device(config, pd, self.device)
+        check_device(config, pd, self.device, self.spec.args)
         build_mesh(config, pd, self.device)
         self.rank = dist.get_rank()
         self.locks = lock_run_folders(config, self.rank)
@@ -63,7 +61,7 @@ class Trainer:
         dp = pd.get_mesh("dp")
         self.global_batch_size = resolved_global_batch_size(config, dp.size())
         self.accumulation_steps = self.global_batch_size // (t.local_batch_size * dp.size())
-        self.tokenizer = resolve_tokenizer(config.model)
+        self.tokenizer = self.spec.tokenizer_object
         self.data = build_data(config, self.tokenizer, dp.get_local_rank(), dp.size(), self.global_batch_size,
                                fake=self.fake)
         self.dataloader = self.data.dataloader
@@ -74,7 +72,7 @@ class Trainer:
                                    cp.size(), self.device, self.use_doc_mask, self.tokenizer.pad_id,
                                    fetch=self.data_wait.next)
         # model
-        self.args = model_args(config, self.tokenizer.vocab_size)
+        self.args = self.spec.args
         self.model, self.compute, options = build_parallel_model(config, self.args, pd, self.device)
         self.float8 = options.float8
         self.trainable_params, self.total_params = parameter_counts(self.model)
@@ -88,8 +86,15 @@ class Trainer:
         self.step = self.weights.step
         resumed = ""
         if self.step > 0:  # the config wins over the restored optimizer and schedule
+            try:  # a changed model setting is refused unless checkpoint.override_recorded lists it
+                changes = resume_changes(self.checkpointer.loaded_settings, resume_settings(config), overrides(config))
+            except ConfigError:
+                self.checkpointer.close()
+                self._release_locks()
+                raise
             follow_config(self.optimizer, self.lr_scheduler, config)
-            resumed = f"; resumed: {settings_changes(self.checkpointer.loaded_settings, resume_settings(config))}"
+            resumed = f"; resumed: {changes}"
+        self.resumed = resumed  # what the resume changed, as the start-up line says it
         # logging and evaluation
         self.nonfinite_in_a_row = 0
         self._signalled = False  # SIGTERM / SIGUSR1 reached this rank
@@ -105,7 +110,7 @@ class Trainer:
         self.validator = build_validator(config, self.data, self.model, pd, self.device, self.tokenizer.pad_id,
                                          self.accumulation_steps)
         if self.rank == 0:
-            print(startup_line(config, self.args, self.weights, self.compute, options, pd, params,
+            print(startup_line(config, self.spec, self.weights, self.compute, options, pd, params,
                                self.global_batch_size, self.accumulation_steps, self.device, self.step, resumed,
                                dist.get_world_size() if self.fake else 0, record_note), flush=True)
             if self.step >= t.steps:

@@ -203,7 +203,7 @@ def check_checkpoint_shapes(found: dict[str, tuple], args: DecoderArgs, what: st
                          f"missing {missing}, unexpected {extra}, other shapes {shape}")
 
 
-def _record_hint(checkpoint_dir: str) -> str:
+def record_hint(checkpoint_dir: str) -> str:
     """What the checkpoint's record says its model is, as the setting that gives it."""
     from titan_ulysses.models.flavors import FLAVORS
 
@@ -234,7 +234,7 @@ def check_dcp_model_shapes(checkpoint_dir: str, args: DecoderArgs) -> None:
     try:
         check_checkpoint_shapes(found, args, "of this run (model.flavor / model.hf_assets_path)")
     except ValueError as e:
-        raise ValueError(f"{e}{_record_hint(checkpoint_dir)}") from None
+        raise ValueError(f"{e}{record_hint(checkpoint_dir)}") from None
 
 
 def read_model_weights(checkpoint_dir: str, names: list[str] | None = None) -> dict[str, torch.Tensor]:

@@ -45,7 +45,8 @@ def format_help(width: int = 100) -> str:
         lines.append(f"[{section.name}]")
         for key, owner, name in _keys(section.name, obj):
             default = getattr(owner, name)
-            choices = f" (one of {', '.join(map(str, CHOICES[key]))})" if key in CHOICES else ""
+            named = [repr(c) if c == "" else str(c) for c in CHOICES.get(key, ())]  # '' (unset) shows as ''
+            choices = f" (one of {', '.join(named)})" if named else ""
             lines.append(f"  --{key} {default!r}{choices}")
             doc = " ".join(docs.get(type(owner).__name__, {}).get(name, "").split())
             if doc:

@@ -39,9 +39,12 @@ class Model:
     with a document mask: the memory-efficient kernel first) or a comma-separated priority order
     of flash, cudnn, efficient, math for both (e.g. "flash" restores PyTorch's order on Hopper);
     kernels left out follow in PyTorch's order."""
-    tokenizer: str = "byte"
+    tokenizer: str = ""
     """"byte" (no file, 256 bytes + specials), "tiktoken" (Llama-3 tokenizer.model) or "hf"
-    (tokenizer.json through the tokenizers library; BOS/EOS/PAD from tokenizer_config.json / config.json)."""
+    (tokenizer.json through the tokenizers library; BOS/EOS/PAD from tokenizer_config.json / config.json).
+    "" (the default): "hf" when the model's Hugging Face folder (model.hf_assets_path, or the start
+    checkpoint's hf_assets/) has a tokenizer.json, else "byte". A tokenizer that does not fit the
+    model's vocabulary is refused (docs/run_spec.md)."""
     tokenizer_path: str = ""
     """The tiktoken BPE file when tokenizer = "tiktoken"; with "hf", a tokenizer.json or its folder
     (empty: model.hf_assets_path)."""
@@ -260,6 +263,13 @@ class Checkpoint:
     allow_fresh_start: bool = False
     """Start over (from initial_load_path, the Hugging Face weights or a random init) even though
     every checkpoint of this run is damaged (set aside as step-N.bad); without it such a run stops."""
+    override_recorded: str = ""
+    """On resume: comma-separated settings that change what the model computes (model, RoPE, LoRA, attention,
+    precision) whose value in this config wins over the one the checkpoint saved, e.g.
+    "model.rope_scaling_factor,lora.alpha" (docs/run_spec.md). Without it such a change is refused; with it
+    the change is named on the start-up line, as are changed layout, activation checkpointing and compile
+    settings, which a resume applies. (A new run from checkpoint.initial_load_path keeps the recorded
+    model and RoPE unless a RoPE setting is given, which is then named.)"""
     allow_data_change: bool = False
     """Resume even though the data settings (dataset, path, tokenizer, seq_len, seed, ...) differ
     from the checkpoint's; the run continues at the same global sample index of the new data."""
@@ -373,7 +383,7 @@ CHOICES = {
     "model.name": ("llama3",),
     "model.attn_backend": ("sdpa", "flex", "flash_attn"),  # ops/attention/registry.py's BACKENDS (config/ is a leaf)
     "model.rope_scaling_type": ("", "llama3", "yarn", "linear"),
-    "model.tokenizer": ("byte", "tiktoken", "hf"),
+    "model.tokenizer": ("", "byte", "tiktoken", "hf"),
     "training.dataset": ("passkey", "text", "sft"),
     "training.overlong_samples": ("error", "truncate", "drop"),
     "validation.dataset": ("", "passkey", "text", "sft"),

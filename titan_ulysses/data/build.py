@@ -29,6 +29,7 @@ from titan_ulysses.data.token_store import (
     default_cache_dir,
     tokenizer_identity,
 )
+from titan_ulysses.data.tokenizer import tokenizer_kind
 from titan_ulysses.data.windows import DocumentWindows, PackedSamples, StreamWindows
 
 VALIDATION_SEED_OFFSET = 1_000_003  # passkey validation draws other keys than training
@@ -195,7 +196,7 @@ def data_settings(config: JobConfig, tokenizer=None) -> dict:
     corpus' fingerprint (``corpus_fingerprint``) are part of it: rows appended to the corpus
     or another tokenizer.json at the same path are a change like any other."""
     t, m = config.training, config.model
-    settings = {"dataset": t.dataset, "seq_len": t.seq_len, "seed": t.seed, "tokenizer": m.tokenizer}
+    settings = {"dataset": t.dataset, "seq_len": t.seq_len, "seed": t.seed, "tokenizer": tokenizer_kind(m)}
     if tokenizer is not None:
         settings["tokenizer_content"] = tokenizer.fingerprint
     elif m.tokenizer_path:

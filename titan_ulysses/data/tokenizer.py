@@ -106,16 +106,26 @@ class TiktokenTokenizer:
         return self._enc.decode([i for i in ids if i < self.vocab_size - _NUM_SPECIAL])
 
 
+def tokenizer_kind(model) -> str:
+    """``model.tokenizer``, or for "" (the default) "hf" when the model's Hugging Face folder has a
+    tokenizer.json, else "byte": a folder's own tokenizer is used unless another is asked for."""
+    if model.tokenizer:
+        return model.tokenizer
+    folder = model.tokenizer_path or model.hf_assets_path
+    return "hf" if folder and os.path.isfile(os.path.join(folder, "tokenizer.json")) else "byte"
+
+
 def tokenizer_source(model) -> tuple[str, str, str]:
     """(kind, path, the setting that names the path) of ``model`` (a ModelConfig): the one place
     that says where a run's tokenizer comes from."""
-    if model.tokenizer == "hf":
+    kind = tokenizer_kind(model)
+    if kind == "hf":
         if model.tokenizer_path:
             return "hf", model.tokenizer_path, "model.tokenizer_path"
         return "hf", model.hf_assets_path, "model.hf_assets_path"
-    if model.tokenizer == "tiktoken":
+    if kind == "tiktoken":
         return "tiktoken", model.tokenizer_path, "model.tokenizer_path"
-    return model.tokenizer, "", "model.tokenizer"
+    return kind, "", "model.tokenizer"
 
 
 def resolve_tokenizer(model):

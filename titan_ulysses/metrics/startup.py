@@ -5,28 +5,25 @@ with it (uneven heads, the start record, a fake process group)."""
 from __future__ import annotations
 
 from titan_ulysses.distributed.heads import uneven_note
-from titan_ulysses.models.hf_config import describe
 from titan_ulysses.ops.attention import sdpa_priority
 
 
-def startup_line(config, args, weights, compute, options, parallel_dims, params: tuple[int, int],
+def startup_line(config, spec, weights, compute, options, parallel_dims, params: tuple[int, int],
                  global_batch_size: int, microbatches: int, device, step: int, resumed: str,
                  fake_world: int = 0, record_note: str | None = None) -> str:
-    """``weights``: the WeightSource; ``compute`` / ``options``: ComputeOptions / ParallelizeOptions;
+    """``spec``: the run's (``run_spec.RunSpec``: model, tokenizer, overrides); ``weights``: the WeightSource;
+    ``compute`` / ``options``: ComputeOptions / ParallelizeOptions;
     ``params``: (trainable, total); ``resumed``: what the resume changed ("" when none);
     ``fake_world``: the simulated world size under a fake process group (0: a real one)."""
-    pd, t = parallel_dims, config.training
-    source = f"flavor {config.model.flavor}"
-    if config.model.hf_assets_path:
-        source = f"{describe(args)} (from {config.model.hf_assets_path}/config.json)"
-    source += f", weights from {weights.describe()}"
+    pd, t, args = parallel_dims, config.training, spec.args
+    source = f"{spec.source}, {spec.tokenizer_line()}, weights from {weights.describe()}"
     attention = compute.attn_backend
     if attention == "sdpa":  # which kernel runs first (model.sdpa_backends)
         order = sdpa_priority(compute.sdpa_backends)
         attention += f" ({' > '.join(order)})" if order else " (PyTorch's kernel order)"
     trainable, total = params
     lora = options.lora
-    notes = [uneven_note(args.n_heads, args.n_kv_heads, pd.sp, pd.tp), record_note]
+    notes = [uneven_note(args.n_heads, args.n_kv_heads, pd.sp, pd.tp), record_note, *spec.notes]
     return (
         f"titan-ulysses: {args.num_params() / 1e6:.1f}M params, {source}, "
         + (f"LoRA rank {lora.rank} on {','.join(lora.targets)}: "
@@ -35,6 +32,7 @@ def startup_line(config, args, weights, compute, options, parallel_dims, params:
         f"({microbatches} microbatch(es)), device {device.type}, attention {attention}, "
         f"starting at step {step}"
         + resumed
+        + "".join(f"\noverride: {o}" for o in spec.overrides)
         + (f"\nFAKE process group: rank 0 of {fake_world}; memory and compute are real, "
            f"losses are not" if fake_world else "")
         + "".join(f"\nnote: {n}" for n in notes if n)

@@ -40,6 +40,14 @@ def model_args(config: JobConfig, vocab_size: int = 0) -> DecoderArgs:
         source = f"model.flavor {m.flavor!r}"
     if vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_size} ids but {source} has vocab_size {args.vocab_size}")
+    max_positions = read_hf_config(m.hf_assets_path).get("max_position_embeddings", 0) if m.hf_assets_path else 0
+    return apply_model_settings(args, m, max_positions, source)
+
+
+def apply_model_settings(args: DecoderArgs, m, max_positions: int = 0, source: str = "the model") -> DecoderArgs:
+    """``args`` with the config's model settings (``m``: the config's model section) applied: ``rope_theta``
+    when > 0, ``router_aux_loss_coef`` when not -1, context extension when ``rope_scaling_factor`` > 0;
+    ``source`` names where ``args`` come from in a refusal."""
     if m.rope_theta > 0:
         args = dataclasses.replace(args, rope_theta=m.rope_theta)
     if m.router_aux_loss_coef != -1:
@@ -51,7 +59,6 @@ def model_args(config: JobConfig, vocab_size: int = 0) -> DecoderArgs:
                               f"leave it at -1")
         args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, aux_loss_coef=m.router_aux_loss_coef))
     # how the run computes (attention backend, tiles, chunks) is not here: ComputeOptions.from_config
-    max_positions = read_hf_config(m.hf_assets_path).get("max_position_embeddings", 0) if m.hf_assets_path else 0
     try:
         return extend_context(args, m.rope_scaling_factor, m.rope_scaling_type, m.rope_original_max_position_embeddings,
                               max_positions)

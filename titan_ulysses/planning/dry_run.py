@@ -30,8 +30,6 @@ from titan_ulysses.data.datasets import PasskeyDataset
 from titan_ulysses.data.hf_datasets import hf_items, is_hf
 from titan_ulysses.data.sources import DataError, list_files, read_rows, work_items
 from titan_ulysses.distributed.heads import uneven_note
-from titan_ulysses.models.hf_config import describe as describe_model
-from titan_ulysses.models.resolve import model_args
 from titan_ulysses.planning.estimate import estimate
 from titan_ulysses.planning.inputs import GIB, from_config
 from titan_ulysses.planning.recommend import memory_warning
@@ -56,24 +54,23 @@ def device_memory(gib: float | None) -> tuple[float, str]:
                                       f"--device-memory-gib sets it)")
 
 
-def describe(config: JobConfig, world_size: int, dims, tokenizer, datasets: list[tuple[str, str, str]],
+def describe(config: JobConfig, world_size: int, dims, spec, datasets: list[tuple[str, str, str]],
              device_gib: float | None = None, note: str | None = None) -> str:
     """The plan of a config that passed the pre-flight, as text; a ConfigError / DataError for what only a launch
-    would find (the memory beyond the device, a data sample the run would refuse). ``datasets``: (name, kind, path)
-    of each dataset the config names; ``note``: the start record's."""
-    args = model_args(config, tokenizer.vocab_size)
-    m = config.model
-    source = (f"{describe_model(args)} (from {m.hf_assets_path}/config.json)" if m.hf_assets_path
-              else f"flavor {m.flavor}")
+    would find (the memory beyond the device, a data sample the run would refuse). ``spec``: the run's
+    (``run_spec.RunSpec``: model, tokenizer, overrides); ``datasets``: (name, kind, path) of each dataset the
+    config names; ``note``: the start record's."""
+    args, tokenizer = spec.args, spec.tokenizer_object
     lines = [f"dry run: {world_size} rank(s); nothing was started or written",
-             f"model: {args.num_params() / 1e6:.1f}M params, {source}; attention {config.model.attn_backend}; "
-             f"tokenizer {m.tokenizer} ({tokenizer.vocab_size} ids, model vocab {args.vocab_size})"]
+             f"model: {args.num_params() / 1e6:.1f}M params, {spec.source}; attention {config.model.attn_backend}; "
+             f"{spec.tokenizer_line()}"]
     lines += _layout(config, dims, args)
     lines += [_data(config, tokenizer, kind, path, name)
               for name, kind, path in datasets]
-    lines += _memory(config, dims, device_gib)
+    lines += _memory(config, dims, device_gib, args)
     lines += _saves(config)
-    return "\n".join(lines + ([f"note: {note}"] if note else []))
+    notes = [f"override: {o}" for o in spec.overrides] + [f"note: {n}" for n in (*spec.notes, note) if n]
+    return "\n".join(lines + notes)
 
 
 def _layout(config: JobConfig, dims, args) -> list[str]:
@@ -156,13 +153,13 @@ def _encoder(config: JobConfig, tokenizer, kind: str):
     return TextEncoder(tokenizer)
 
 
-def _memory(config: JobConfig, dims, device_gib: float | None) -> list[str]:
+def _memory(config: JobConfig, dims, device_gib: float | None, args) -> list[str]:
     """The estimate by phase; a ConfigError naming what fits when it exceeds the device."""
     device, where = device_memory(device_gib)
-    args, layout, switches = from_config(config, dims)
+    args, layout, switches = from_config(config, dims, args)
     t = config.training
     est = estimate(args, layout, switches, t.seq_len, t.local_batch_size)
-    warning = memory_warning(config, dims, dims.world_size, device)
+    warning = memory_warning(config, dims, dims.world_size, device, args)
     if warning:
         raise ConfigError(warning)
     phases = ", ".join(f"{name} {b / GIB:.2f}" for name, b in est.phases.items())

@@ -47,8 +47,9 @@ class Switches:
     """``parallelism.ulysses_stage_keep_attention``: stages keep their attention kernel's outputs for backward."""
 
 
-def from_config(config, dims):
-    args = model_args(config, 0)
+def from_config(config, dims, args=None):
+    """(args, Layout, Switches) of ``config`` on ``dims``; ``args``: the run spec's model (default: the config's)."""
+    args = args if args is not None else model_args(config, 0)
     t = config.training
     dp = dims.size("dp")
     switches = Switches(

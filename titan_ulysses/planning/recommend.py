@@ -78,9 +78,10 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
     return None
 
 
-def memory_warning(config, dims, world_size: int, device_bytes: float) -> str | None:
-    """A warning when the estimate exceeds the device, naming what estimate_memory.py recommends."""
-    args, layout, switches = from_config(config, dims)
+def memory_warning(config, dims, world_size: int, device_bytes: float, args=None) -> str | None:
+    """A warning when the estimate exceeds the device, naming what estimate_memory.py recommends
+    (``args``: the run spec's model, default the config's)."""
+    args, layout, switches = from_config(config, dims, args)
     t = config.training
     est = estimate(args, layout, switches, t.seq_len, t.local_batch_size)
     if est.total <= device_bytes:

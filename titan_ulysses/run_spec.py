@@ -1,0 +1,216 @@
+"""What a run is, resolved once: ``resolve_run(config) -> RunSpec``.
+
+Train, ``--dry-run``, export, ``eval_needle``, ``eval_long``, ``plan.py`` and ``estimate_memory.py``
+all take the model arguments, the tokenizer, the weight source and the data settings from here; no
+other module reads a checkpoint's ``model_args.json`` or a folder's ``config.json`` to decide them.
+
+The rule (docs/run_spec.md), in one place:
+
+1. The inputs: the config (TOML, then ``--section.key`` flags), the record of the start checkpoint
+   (``checkpoint.initial_load_path``, or the checkpoint a tool evaluates or exports: its
+   ``model_args.json`` and ``hf_assets/``) and the Hugging Face folder (``model.hf_assets_path``,
+   else the record's ``hf_assets/``).
+2. The model arguments are the record's when there is one, else the folder's config.json, else
+   ``model.flavor``'s. Without a record the config's RoPE settings apply to them.
+3. What was recorded wins unless the user overrides it. The config's RoPE settings are 0 / "" ("keep
+   the model's") unless given, so a default never erases a recorded scaling; a RoPE setting given
+   (``model.rope_theta``, ``model.rope_scaling_factor``: context extension of a checkpoint) is an
+   override, and one that changes a recorded value is named on the start-up line (``RunSpec.overrides``).
+   A resume is the same run going on: there a changed model setting is refused unless
+   ``checkpoint.override_recorded`` lists it, and named when it does (``config/resume.py``).
+4. The tokenizer: ``model.tokenizer``; unset, the folder's tokenizer.json when it has one, else the
+   byte tokenizer. Ids beyond the model's vocabulary, or pretrained weights (a Hugging Face folder's
+   safetensors, a checkpoint of a run from one) and a tokenizer with fewer than half the ids of their
+   vocabulary, are a one-line refusal (an architecture alone, randomly initialised, takes any tokenizer).
+5. The weights: ``checkpoint/weight_source.py``'s order; the data settings: the config's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from titan_ulysses.checkpoint.hf_export import ASSETS, read_model_record, record_hint
+from titan_ulysses.checkpoint.hub import resolve_hf_assets
+from titan_ulysses.checkpoint.weight_source import WeightSource, fresh_source
+from titan_ulysses.config.job_config import JobConfig
+from titan_ulysses.config.manager import ConfigError
+from titan_ulysses.config.resume import overrides as override_list
+from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer, tokenizer_source
+from titan_ulysses.models.decoder.args import DecoderArgs
+from titan_ulysses.models.flavors import get_flavor
+from titan_ulysses.models.hf_config import describe, load_hf_args, read_hf_config
+from titan_ulysses.models.resolve import apply_model_settings
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    args: DecoderArgs
+    """The model's arguments: family, shapes, RoPE and its scaling."""
+    source: str
+    """Where ``args`` come from, for the start-up line."""
+    hf_folder: str
+    """The Hugging Face folder the run reads (config, tokenizer, weights), "" for none."""
+    record: str
+    """The checkpoint whose ``model_args.json`` gave ``args`` ("" : none)."""
+    tokenizer: str
+    """"byte", "tiktoken" or "hf"."""
+    tokenizer_path: str
+    tokenizer_vocab: int
+    """The tokenizer's ids (0: not built, ``resolve_run(..., tokenizer=False)``)."""
+    weights: WeightSource
+    """Where a fresh start's weights come from (a resume's own checkpoint wins at the load)."""
+    seq_len: int
+    dataset: str
+    dataset_path: str
+    overrides: tuple[str, ...] = ()
+    """Each ``checkpoint.override_recorded`` setting that changed a recorded value: ``key recorded -> new``."""
+    notes: tuple[str, ...] = ()
+    tokenizer_object: object = field(default=None, compare=False, repr=False)
+
+    def tokenizer_line(self) -> str:
+        """``tokenizer KIND [FILE] (N ids, model vocab V)``: the start-up line's and the dry run's."""
+        where = f" {self.tokenizer_path}" if self.tokenizer_path else ""
+        ids = f"{self.tokenizer_vocab} ids" if self.tokenizer_vocab else "not read"
+        return f"tokenizer {self.tokenizer}{where} ({ids}, model vocab {self.args.vocab_size})"
+
+
+def hf_folder(config: JobConfig, record_dir: str = "") -> str:
+    """The Hugging Face folder of the run: the first and only place ``model.hf_assets_path`` is read
+    (a Hub id becomes a local snapshot folder here); else a start checkpoint's ``hf_assets/``.
+    Writes the folder back to ``config.model.hf_assets_path`` so that every later reader sees it."""
+    resolve_hf_assets(config)  # a Hub id -> its snapshot folder (checkpoint/hub.py); a folder stays as it is
+    folder = config.model.hf_assets_path
+    if not folder and record_dir and os.path.isfile(os.path.join(record_dir, ASSETS, "config.json")):
+        folder = os.path.join(record_dir, ASSETS)
+    config.model.hf_assets_path = folder
+    return folder
+
+
+def _is_checkpoint(path: str) -> bool:
+    return bool(path) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _recorded_changes(recorded: DecoderArgs, config: JobConfig, max_positions: int) -> dict[str, tuple]:
+    """{setting: (recorded, new)} for each config RoPE setting that would change the recorded arguments."""
+    m, out = config.model, {}
+    if m.rope_theta > 0 and m.rope_theta != recorded.rope_theta:
+        out["model.rope_theta"] = (recorded.rope_theta, m.rope_theta)
+    scaled = apply_model_settings(recorded, dataclasses.replace(m, rope_theta=0.0, router_aux_loss_coef=-1),
+                                  max_positions)
+    if scaled.rope_scaling != recorded.rope_scaling:
+        out["model.rope_scaling_factor"] = (_rope(recorded.rope_scaling), _rope(scaled.rope_scaling))
+    coef = m.router_aux_loss_coef
+    if coef != -1 and recorded.moe is not None and coef != recorded.moe.aux_loss_coef:
+        out["model.router_aux_loss_coef"] = (recorded.moe.aux_loss_coef, m.router_aux_loss_coef)
+    return out
+
+
+def _rope(scaling) -> str:
+    return f"{scaling.rope_type} x{scaling.factor:g}" if scaling else "none"
+
+
+def _model(config: JobConfig, start: str) -> tuple[DecoderArgs, str, str, bool, tuple, tuple]:
+    """(args, source, record dir, pretrained vocabulary of the record, overrides named, notes)."""
+    m = config.model
+    record = read_model_record(start) if _is_checkpoint(start) else None
+    folder = hf_folder(config, start if record is not None else "")
+    if record is None:
+        if folder:
+            try:
+                args = load_hf_args(folder)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"model.hf_assets_path: {e}") from e
+            args = apply_model_settings(args, m, read_hf_config(folder).get("max_position_embeddings", 0),
+                                        "model.hf_assets_path")
+            return args, f"{describe(args)} (from {folder}/config.json)", "", False, (), ()
+        try:
+            args = apply_model_settings(get_flavor(m.flavor), m, source=f"model.flavor {m.flavor!r}")
+        except ValueError as e:
+            raise ConfigError(f"model.flavor: {e}") from e
+        return args, f"flavor {m.flavor}", "", False, (), ()
+    recorded, hf_config = record
+    _same_model(config, folder, recorded, start)
+    max_positions = (hf_config or {}).get("max_position_embeddings", 0)
+    changes = _recorded_changes(recorded, config, max_positions)
+    args = recorded
+    if changes:
+        keep = {"model.rope_theta": ("rope_theta", 0.0), "model.rope_scaling_factor": ("rope_scaling_factor", 0.0),
+                "model.router_aux_loss_coef": ("router_aux_loss_coef", -1)}  # the setting's "the model's" value
+        only = dataclasses.replace(m, **{f: unset for k, (f, unset) in keep.items() if k not in changes})
+        args = apply_model_settings(recorded, only, max_positions, f"the record of {start}")
+    named = tuple(f"{k} {old} -> {new} (the config's; {start} recorded {old})" for k, (old, new) in changes.items())
+    own = _named_model(config, folder)  # the config's model alone, its settings applied where they can be
+    try:
+        own = apply_model_settings(own, m, max_positions)
+    except ConfigError:
+        pass
+    notes = tuple(f"{f} {show(getattr(args, f))} from the checkpoint's model_args.json (the config says "
+                  f"{show(getattr(own, f))})" for f, show in (("rope_theta", repr), ("rope_scaling", _rope))
+                  if getattr(args, f) != getattr(own, f))
+    source = f"{describe(args)} (recorded in {start})"
+    return args, source, start, hf_config is not None, named, notes
+
+
+def _named_model(config: JobConfig, folder: str) -> DecoderArgs:
+    """The model the config names, before its RoPE settings: the folder's config.json, else the flavor."""
+    try:
+        return load_hf_args(folder) if folder else get_flavor(config.model.flavor)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.{'hf_assets_path' if folder else 'flavor'}: {e}") from e
+
+
+_SHAPES = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden_dim", "vocab_size")
+
+
+def _same_model(config: JobConfig, folder: str, recorded: DecoderArgs, start: str) -> None:
+    """The model the config names (its folder's, else its flavor's) has the shapes ``start`` records:
+    a ConfigError naming the setting that gives the recorded one otherwise."""
+    named = _named_model(config, folder)
+    differ = [f for f in _SHAPES if getattr(named, f, None) != getattr(recorded, f, None)]
+    if differ:
+        setting = "model.hf_assets_path" if folder else f"model.flavor {config.model.flavor!r}"
+        raise ConfigError(f"checkpoint.initial_load_path: {start} holds another model than {setting} "
+                          f"({', '.join(differ)} differ){record_hint(start)}")
+
+
+def check_vocab(args: DecoderArgs, kind: str, vocab: int, pretrained: bool, source: str) -> None:
+    """The tokenizer fits the model's vocabulary (``source``: the setting the model comes from): a
+    one-line ConfigError naming the settings otherwise."""
+    if vocab > args.vocab_size:
+        raise ConfigError(f"the tokenizer has {vocab} ids but {source} has vocab_size {args.vocab_size}")
+    if pretrained and 2 * vocab < args.vocab_size:
+        raise ConfigError(f"model.tokenizer {kind!r} has {vocab} ids but {source} has a pretrained vocabulary of "
+                          f"{args.vocab_size}: not its tokenizer; leave model.tokenizer unset (or set 'hf') to use "
+                          f"the folder's tokenizer.json")
+
+
+def resolve_run(config: JobConfig, start: str | None = None, tokenizer: bool = True) -> RunSpec:
+    """The run's spec, by the rule above. ``start``: the checkpoint whose record counts (default
+    ``checkpoint.initial_load_path``; a tool passes the checkpoint it evaluates or exports);
+    ``tokenizer`` False leaves the tokenizer unread (tools run where its file is absent). Sets
+    ``config.model.hf_assets_path`` and ``model.tokenizer`` to what it resolved. ConfigError otherwise."""
+    start = config.checkpoint.initial_load_path if start is None else start
+    override_list(config)  # a name that is not a recorded setting is refused, record or not
+    args, source, record, pretrained, named, notes = _model(config, start)
+    m = config.model
+    kind, path, _ = tokenizer_source(m)
+    weights = fresh_source(config)
+    pretrained = pretrained or weights.kind == "hf"  # an architecture alone (random init) has no vocabulary yet
+    tok, vocab = None, 0
+    if tokenizer:
+        try:
+            tok = resolve_tokenizer(m)
+        except TokenizerError as e:
+            raise ConfigError(str(e)) from e
+        vocab = tok.vocab_size
+        where = (f"the record of {record}" if record else "model.hf_assets_path" if m.hf_assets_path
+                 else f"model.flavor {m.flavor!r}")
+        check_vocab(args, kind, vocab, pretrained, where)
+    m.tokenizer = kind
+    t = config.training
+    return RunSpec(args=args, source=source, hf_folder=m.hf_assets_path, record=record, tokenizer=kind,
+                   tokenizer_path=path, tokenizer_vocab=vocab, weights=weights, seq_len=t.seq_len,
+                   dataset=t.dataset, dataset_path=t.dataset_path, overrides=named, notes=notes,
+                   tokenizer_object=tok)
