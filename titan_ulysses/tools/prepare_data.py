@@ -24,7 +24,8 @@ from titan_ulysses.data.tokenizer import resolve_tokenizer
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__, file=sys.stdout if argv else sys.stderr)
+        print("usage: titan-prepare-data (or python scripts/prepare_data.py) --config X [--section.key value ...] "
+              f"[--workers N]\n\n{__doc__}", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     workers = os.cpu_count() or 1
     if "--workers" in argv:
