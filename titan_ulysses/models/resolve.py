@@ -14,7 +14,7 @@ from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.extension import extend_context
-from titan_ulysses.models.flavors import get_flavor
+from titan_ulysses.models.flavors import TRAINED_SEQ_LEN, get_flavor
 from titan_ulysses.models.hf_config import load_hf_args, read_hf_config
 
 
@@ -43,7 +43,10 @@ def model_args(config: JobConfig, vocab_size: int = 0) -> DecoderArgs:
     if m.rope_theta > 0:
         args = dataclasses.replace(args, rope_theta=m.rope_theta)
     # how the run computes (attention backend, tiles, chunks) is not here: ComputeOptions.from_config
-    max_positions = read_hf_config(m.hf_assets_path).get("max_position_embeddings", 0) if m.hf_assets_path else 0
+    if m.hf_assets_path:
+        max_positions = read_hf_config(m.hf_assets_path).get("max_position_embeddings", 0)
+    else:  # a flavor: the length it is trained at (a debug model's 512, not llama3's 8192)
+        max_positions = TRAINED_SEQ_LEN.get(m.flavor, 0)
     try:
         return extend_context(args, m.rope_scaling_factor, m.rope_scaling_type, m.rope_original_max_position_embeddings,
                               max_positions)
