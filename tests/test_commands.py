@@ -3,6 +3,7 @@ command from a folder outside the repository, the shipped configs by name, and t
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -92,8 +93,12 @@ def test_the_installed_commands_run_outside_the_repository(installed, tmp_path):
 @pytest.mark.slow
 def test_the_training_module_runs_a_shipped_config_outside_the_repository(installed, tmp_path):
     _, env = installed
+    with socket.socket() as s:  # a plain one-process run otherwise listens on 29500, which another job may hold
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     proc = _run([sys.executable, "-m", "titan_ulysses.train", "--config", "debug_model", "--training.steps", "1",
                  "--training.seq_len", "128", "--training.local_batch_size", "1", "--parallelism.ulysses_degree", "1",
-                 "--checkpoint.enable", "false", "--job.dump_folder", "run"], dict(env, MASTER_PORT="29531"), tmp_path)
+                 "--checkpoint.enable", "false", "--job.dump_folder", "run"], env, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").is_file()  # the config's paths: relative to the working directory
