@@ -101,3 +101,18 @@ def test_export_at_the_extended_length_loads_silently_with_our_logits(tmp_path, 
         unscaled = plain(tokens)
     assert_close(theirs, ours, f"{model_type} {method} logits at {trained} tokens")
     assert (unscaled - ours).abs().max() > 100 * 1e-5 * ours.abs().max()  # the scaling shows at this length
+
+
+def test_a_flavors_extension_starts_from_the_length_it_is_trained_at():
+    """Issue 32 item 5: the debug model extended 512 -> 1024 (the guide's recipe) scales RoPE from its own 512, not
+    from llama3's default 8192 (which would barely change it); the Llama shapes keep their own 8192."""
+    from titan_ulysses.config.manager import load_config
+    from titan_ulysses.models.resolve import model_args
+
+    debug = model_args(load_config(["--config", "train_configs/debug_model.toml", "--model.rope_scaling_factor", "2"]))
+    assert debug.rope_scaling == RopeScaling(factor=2.0, original_max_position_embeddings=512)
+    assert model_args(load_config(["--model.flavor", "8B", "--model.rope_scaling_factor", "16"])).rope_scaling == \
+        RopeScaling(factor=16.0)
+    assert model_args(load_config(["--model.flavor", "debugmodel", "--model.rope_scaling_factor", "2",
+                                   "--model.rope_original_max_position_embeddings", "256"])
+                      ).rope_scaling.original_max_position_embeddings == 256  # the setting wins

@@ -1,5 +1,5 @@
 """The package's layers, read from the import statements of its files (function-local imports too):
-``config/`` is a leaf, nothing inside the packages imports the trainer or the pre-flight module, the
+``config/`` is a leaf, nothing inside the packages but the commands (``train.py``, ``tools/``) imports the trainer or the pre-flight module, the
 decoder and its families import nothing distributed, and the memory planner (``planning/``) sits beside the packages a step runs, not under them: it may use them, they
 never use it, and a launch imports it only when a start-up check or the dry run asks for it."""
 
@@ -36,7 +36,9 @@ def test_config_imports_nothing_else_of_ours():
 
 
 def test_no_package_module_imports_the_trainer_or_the_preflight():
-    top = {os.path.join(PACKAGE, name) for name in ("trainer.py", "preflight.py")}
+    """Above them only the commands: ``train.py`` (the training command) and ``tools/`` (the other commands)."""
+    top = {os.path.join(PACKAGE, name) for name in ("trainer.py", "preflight.py", "train.py")} | set(files("tools"))
+    assert len(files("tools")) >= 8
     for path in files():
         if path in top:
             continue

@@ -335,3 +335,19 @@ def test_the_adapter_update_is_alpha_over_rank_times_b_a(rank, alpha):
         x = torch.randn(3, 5, 12, generator=g)
         expected = base(x) + (alpha / rank) * (x @ a.t() @ b.t())
         torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_adapters_base_model_is_an_absolute_folder_or_the_name_given(tmp_path, monkeypatch):
+    """peft reads ``base_model_name_or_path`` wherever the adapter is loaded: a relative folder would point elsewhere
+    (issue 32 item 5). A local folder is recorded absolute; a Hub id or a flavor's name is kept as given."""
+    import json
+
+    from titan_ulysses.checkpoint.lora_export import RECORD, write_lora_record
+
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for given, recorded in (("models/base", str(tmp_path / "models" / "base")),
+                            ("./models/base/", str(tmp_path / "models" / "base")),
+                            ("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M"), ("debugmodel", "debugmodel")):
+        write_lora_record(str(tmp_path), LoRAOptions(rank=2, alpha=4.0), given)
+        assert json.loads((tmp_path / RECORD).read_text())["base_model_name_or_path"] == recorded

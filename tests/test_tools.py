@@ -224,3 +224,24 @@ def test_plan_refuses_a_number_that_is_not_positive_and_finite(flag, value):
     argv = ["--flavor", "debugmodel", "--seq-len", "4096", "--gpus", "1", flag, value]
     with pytest.raises(SystemExit, match=f"^plan: {flag} must be a positive finite number, got "):
         plan.main(argv)
+
+
+def test_plot_metrics_draws_sparse_killed_and_short_runs_readably(tmp_path, capsys):
+    """Issue 32 item 5: a run logging every 10 steps and killed mid-line, beside a 600-step run: every point of the
+    sparse run is marked, the loss axis is logarithmic, and the step axis too (the lengths differ 10x or more)."""
+    _write_run(tmp_path / "sparse", [_step(s, 8.0 / s) for s in (10, 20, 30)])
+    with open(tmp_path / "sparse" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 40, "lo')
+    _write_run(tmp_path / "long", [_step(s, 6.0 / s ** 0.5) for s in range(1, 601)])
+    fig = plot_metrics.plot([str(tmp_path / "sparse"), str(tmp_path / "long")])
+    assert "skipped the last line" in capsys.readouterr().err
+    loss = fig.axes[0]
+    assert loss.get_yscale() == "log" and loss.get_xscale() == "log"
+    lines = {line.get_gid(): line for ax in fig.axes for line in ax.lines}
+    sparse, long = lines["sparse:loss"], lines["long:loss"]
+    assert list(sparse.get_xdata()) == [10, 20, 30] and sparse.get_marker() == "o" and sparse.get_markevery() is None
+    assert len(long.get_xdata()) == 600 and long.get_markevery() == [-1]  # dense: only its end marked
+    assert sparse.get_label() == "sparse (30 steps)"
+    fig.savefig(tmp_path / "out.png", dpi=50)
+    short = plot_metrics.plot([str(tmp_path / "long")])  # one run: a linear step axis
+    assert short.axes[0].get_xscale() == "linear"

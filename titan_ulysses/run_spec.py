@@ -39,7 +39,7 @@ from titan_ulysses.config.manager import ConfigError
 from titan_ulysses.config.resume import overrides as override_list
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer, tokenizer_source
 from titan_ulysses.models.decoder.args import DecoderArgs
-from titan_ulysses.models.flavors import get_flavor
+from titan_ulysses.models.flavors import TRAINED_SEQ_LEN, get_flavor
 from titan_ulysses.models.hf_config import describe, load_hf_args, read_hf_config
 from titan_ulysses.models.resolve import apply_model_settings
 
@@ -126,13 +126,15 @@ def _model(config: JobConfig, start: str) -> tuple[DecoderArgs, str, str, bool, 
                                         "model.hf_assets_path")
             return args, f"{describe(args)} (from {folder}/config.json)", "", False, (), ()
         try:
-            args = apply_model_settings(get_flavor(m.flavor), m, source=f"model.flavor {m.flavor!r}")
+            args = apply_model_settings(get_flavor(m.flavor), m, TRAINED_SEQ_LEN.get(m.flavor, 0),
+                                        source=f"model.flavor {m.flavor!r}")
         except ValueError as e:
             raise ConfigError(f"model.flavor: {e}") from e
         return args, f"flavor {m.flavor}", "", False, (), ()
     recorded, hf_config = record
     _same_model(config, folder, recorded, start)
-    max_positions = (hf_config or {}).get("max_position_embeddings", 0)
+    # the length the model was trained at: its config.json's, else its flavor's (models/flavors.py)
+    max_positions = (hf_config or {}).get("max_position_embeddings", 0) if hf_config else TRAINED_SEQ_LEN.get(m.flavor, 0)
     changes = _recorded_changes(recorded, config, max_positions)
     args = recorded
     if changes:

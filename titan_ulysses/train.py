@@ -1,6 +1,8 @@
-"""Entry point: `torchrun --nproc-per-node N train.py --config train_configs/X.toml [--section.key value ...]`.
+"""Entry point: `torchrun --nproc-per-node N train.py --config X [--section.key value ...]`, where X is a
+TOML file or the name of a shipped config (``debug_model``); `torchrun -m titan_ulysses.train` and the
+installed `titan-train` (one process) run the same ``cli``. The repository's train.py is a wrapper.
 
-`python train.py --help` lists every setting with its default and docstring.
+`python train.py --help` lists every setting with its default and docstring; `--help SECTION` one section's.
 
 `python train.py --config X --dry-run --world-size N [--device-memory-gib G] [--section.key value ...]`
 runs every check a launch makes for N ranks, without a process group, prints the plan and
@@ -39,15 +41,8 @@ def _preempted_while_importing(signum, frame):
     os._exit(0)
 
 
-if __name__ == "__main__":  # the imports below take seconds: a preemption then also exits 0
-    for _sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(_sig, _preempted_while_importing)
-
 # torchdata's StatefulDataLoader calls a deprecated torch API on every construction
 warnings.filterwarnings("ignore", message=".*set_vital.*")
-
-from titan_ulysses.config.manager import ConfigError, load_config  # noqa: E402
-from titan_ulysses.data.sources import DataError  # noqa: E402
 
 EXIT_REFUSED = 2
 RANK0_FIRST_S = 3.0
@@ -56,6 +51,8 @@ DRY_RUN_OPTIONS = {"--world-size": int, "--device-memory-gib": float}  # only wi
 
 def dry_run_options(argv: list[str]) -> tuple[list[str], dict | None]:
     """(the config's arguments, the dry run's options or None when ``--dry-run`` is absent)."""
+    from titan_ulysses.config.manager import ConfigError
+
     rest, options, i = [], {}, 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
@@ -99,12 +96,15 @@ def tell_launcher(line: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        from titan_ulysses.config.help import format_help
+    # the imports below take seconds (torch): cli() exits 0 on a preemption meanwhile
+    from titan_ulysses.config.help import help_command
 
-        print(format_help())
-        return 0
+    shown = help_command(argv)
+    if shown is not None:  # --help [SECTION], or no argument at all: the usage and the shipped configs
+        return shown
 
+    from titan_ulysses.config.manager import ConfigError, load_config
+    from titan_ulysses.data.sources import DataError
     from titan_ulysses.checkpoint.errors import RunRefused  # a folder in use, every checkpoint damaged
     from titan_ulysses.checkpoint.lora_export import AdapterMismatchError
     from titan_ulysses.checkpoint.verify import UntrustedCheckpointError  # initial_load_path, a resume step
@@ -147,10 +147,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> None:
+    """The command: ``main`` on the command line's arguments, then the process group's teardown; never returns."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, _preempted_while_importing)
+    code = main(sys.argv[1:] if argv is None else argv)
     import torch.distributed as dist
 
-    code = main(sys.argv[1:])
     if dist.is_initialized():
         if code == 0:
             # tear down together: a rank that destroys its gloo groups while a peer still talks
@@ -164,3 +167,7 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    cli()

@@ -25,12 +25,18 @@ RECORD = "lora.json"
 _A, _B = ".lora_A", ".lora_B"
 
 
+def base_model_reference(base_model: str) -> str:
+    """What peft's ``base_model_name_or_path`` records: a local folder as its absolute path (a relative one would
+    be read against wherever the adapter is loaded), anything else (a Hub id, a flavor's name) as given."""
+    return os.path.abspath(base_model) if base_model and os.path.isdir(base_model) else base_model
+
+
 def write_lora_record(step_dir: str, options, base_model: str) -> None:
     """``lora.json`` of a checkpoint (nothing when ``options`` is None: not a LoRA run)."""
     if options is None:
         return
     record = {"r": options.rank, "lora_alpha": options.alpha, "lora_dropout": options.dropout,
-              "target_modules": list(options.targets), "base_model_name_or_path": base_model}
+              "target_modules": list(options.targets), "base_model_name_or_path": base_model_reference(base_model)}
     with open(os.path.join(step_dir, RECORD), "w") as f:
         json.dump(record, f, indent=2)
 
@@ -105,7 +111,7 @@ def export_peft_adapter(checkpoint_dir: str, output_dir: str, base_model: str = 
     save_file(state, os.path.join(output_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model or record["base_model_name_or_path"],
+        "base_model_name_or_path": base_model_reference(base_model) or record["base_model_name_or_path"],
         "r": record["r"], "lora_alpha": record["lora_alpha"], "lora_dropout": record["lora_dropout"],
         "target_modules": record["target_modules"], "bias": "none", "fan_in_fan_out": False,
         "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,

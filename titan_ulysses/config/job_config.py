@@ -57,7 +57,8 @@ class Model:
     """With rope_scaling_factor: the method, "llama3", "yarn" or "linear" ("" : the model's own)."""
     rope_original_max_position_embeddings: int = 0
     """With rope_scaling_factor: the length the model was trained at (0: its existing scaling's,
-    else config.json's max_position_embeddings, else 8192 for flavors)."""
+    else config.json's max_position_embeddings, else the flavor's trained length: 512 for the debug models, 8192
+    for the Llama shapes, models/flavors.py TRAINED_SEQ_LEN)."""
     router_aux_loss_coef: float = -1.0
     """Mixtures of experts: weight of the router's load-balancing loss in the training loss. -1: the
     model's config.json (router_aux_loss_coef when output_router_logits is true, else 0, as

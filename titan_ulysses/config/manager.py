@@ -14,6 +14,7 @@ except ImportError:  # Python < 3.11
 from titan_ulysses.config.job_config import CHOICES, JobConfig, LoRA, parse_lora_targets
 from titan_ulysses.config.metrics_settings import check_metrics
 from titan_ulysses.config.ranges import check_ranges
+from titan_ulysses.config.shipped import config_path, not_found
 
 
 class ConfigError(ValueError):
@@ -100,7 +101,8 @@ def _set(config: JobConfig, key: str, value, from_cli: bool = False, where: str 
 
 
 def load_config(argv: list[str]) -> JobConfig:
-    """``[--config file.toml] [--section.key value | --section.key=value ...]`` -> JobConfig."""
+    """``[--config file.toml | NAME] [--section.key value | --section.key=value ...]`` -> JobConfig (NAME: a
+    shipped config, ``config/shipped.py``)."""
     config = JobConfig()
     pairs, path, i = [], None, 0
     while i < len(argv):
@@ -118,6 +120,10 @@ def load_config(argv: list[str]) -> JobConfig:
             pairs.append((key, value))
         i += 1
     if path is not None:
+        found = config_path(path)
+        if found is None:
+            raise ConfigError(not_found(path))
+        path = found
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)

@@ -3,8 +3,8 @@
 The method is the one the model already uses (its config.json ``rope_scaling``), else its
 family's (llama3 for Llama and the named flavors, yarn for Qwen and Mistral, as their long-context
 releases do), else ``model.rope_scaling_type``. ``original_max_position_embeddings`` is the
-length the model was trained at: the existing scaling's, else config.json's
-``max_position_embeddings``, else ``model.rope_original_max_position_embeddings``.
+length the model was trained at: ``model.rope_original_max_position_embeddings`` when set, else the existing
+scaling's, else config.json's ``max_position_embeddings`` (a flavor's: ``flavors.TRAINED_SEQ_LEN``).
 """
 
 from __future__ import annotations

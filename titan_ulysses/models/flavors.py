@@ -33,6 +33,13 @@ FLAVORS: dict[str, DecoderArgs] = {
 }
 
 
+TRAINED_SEQ_LEN: dict[str, int] = {"debugmodel": 512, "debugmodel_gqa1": 512, "1B": 8192, "3B": 8192, "8B": 8192,
+                                   "70B": 8192}
+"""The length each flavor is trained at before a context extension: its ``original_max_position_embeddings`` when
+``model.rope_scaling_factor`` adds a scaling (the debug models: debug_model.toml's 512, which the guide extends;
+Llama 3's 8K, which the 1B-70B shapes' own llama3 scaling already records)."""
+
+
 def get_flavor(flavor: str, **overrides) -> DecoderArgs:
     if flavor not in FLAVORS:
         raise ValueError(f"model flavor {flavor!r} is not one of {sorted(FLAVORS)}")

@@ -14,7 +14,7 @@ from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.extension import extend_context
-from titan_ulysses.models.flavors import get_flavor
+from titan_ulysses.models.flavors import TRAINED_SEQ_LEN, get_flavor
 from titan_ulysses.models.hf_config import load_hf_args, read_hf_config
 
 
@@ -40,7 +40,10 @@ def model_args(config: JobConfig, vocab_size: int = 0) -> DecoderArgs:
         source = f"model.flavor {m.flavor!r}"
     if vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_size} ids but {source} has vocab_size {args.vocab_size}")
-    max_positions = read_hf_config(m.hf_assets_path).get("max_position_embeddings", 0) if m.hf_assets_path else 0
+    if m.hf_assets_path:
+        max_positions = read_hf_config(m.hf_assets_path).get("max_position_embeddings", 0)
+    else:  # a flavor: the length it is trained at (a debug model's 512, not llama3's 8192)
+        max_positions = TRAINED_SEQ_LEN.get(m.flavor, 0)
     return apply_model_settings(args, m, max_positions, source)
 
 

@@ -272,9 +272,14 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The installed command (pyproject.toml's [project.scripts]); never returns."""
     code = main()
     # as train.py: no interpreter teardown, where a joinable gloo thread aborts the process now and then
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    cli()

@@ -15,17 +15,20 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from titan_ulysses.checkpoint.hub import resolve_hf_assets  # noqa: E402
-from titan_ulysses.config.manager import ConfigError, load_config  # noqa: E402
-from titan_ulysses.data.build import open_store  # noqa: E402
-from titan_ulysses.data.hf_datasets import is_hf, training_dataset_path  # noqa: E402
-from titan_ulysses.data.sources import DataError, list_files  # noqa: E402
-from titan_ulysses.data.tokenizer import resolve_tokenizer  # noqa: E402
+from titan_ulysses.checkpoint.hub import resolve_hf_assets
+from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.data.build import open_store
+from titan_ulysses.data.hf_datasets import is_hf, training_dataset_path
+from titan_ulysses.data.sources import DataError, list_files
+from titan_ulysses.data.tokenizer import resolve_tokenizer
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: titan-prepare-data (or python scripts/prepare_data.py) --config X [--section.key value ...] "
+              f"[--workers N]\n\n{__doc__}", file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
     workers = os.cpu_count() or 1
     if "--workers" in argv:
         i = argv.index("--workers")
@@ -56,5 +59,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def cli() -> None:
+    """The installed command (pyproject.toml's [project.scripts])."""
+    sys.exit(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    cli()

@@ -1,0 +1,10 @@
+"""`titan-export` when installed: titan_ulysses/tools/export_hf.py (`python scripts/export_hf.py --help`)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+from titan_ulysses.tools.export_hf import *  # noqa: E402,F401,F403 (tests import the script's names)
+from titan_ulysses.tools.export_hf import cli  # noqa: E402
+
+if __name__ == "__main__":
+    cli()
