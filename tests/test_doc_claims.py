@@ -89,6 +89,9 @@ def script_flags(path: str) -> set[str]:
     """The --flags a program's source spells out; one that reads its settings through load_config (or
     train.py's parser) also takes --config (config/manager.py)."""
     source = read(path)
+    wrapped = re.search(r"^from (titan_ulysses\.[\w.]+) import \*", source, flags=re.M)
+    if wrapped:  # a wrapper of the installed command's module: its flags are there
+        source = read(os.path.join(*wrapped.group(1).split(".")) + ".py")
     flags = set(re.findall(r"[\"'](--[a-z][a-z0-9-]*)[\"']", source))
     return flags | ({"--config"} if re.search(r"load_config|config_argv|\bmanager\b", source) else set())
 

@@ -17,7 +17,7 @@ from spec_fixtures import COMMON, SCRIPTS, _train, fx, train_main  # noqa: F401 
 from titan_ulysses.checkpoint.hf_export import read_model_record
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.models.extension import extend_context
-from titan_ulysses.models.flavors import get_flavor
+from titan_ulysses.models.flavors import TRAINED_SEQ_LEN, get_flavor
 from titan_ulysses.models.hf_config import load_hf_args, read_hf_config
 from titan_ulysses.run_spec import resolve_run
 
@@ -40,7 +40,7 @@ def _expected_args(fx, name):
     if name in ("hf", "lora"):
         return load_hf_args(fx["hf"])
     if name == "extended_flavor":
-        return extend_context(get_flavor("debugmodel"), 4.0)
+        return extend_context(get_flavor("debugmodel"), 4.0, max_position_embeddings=TRAINED_SEQ_LEN["debugmodel"])
     return extend_context(load_hf_args(fx["hf"]), 4.0, max_position_embeddings=read_hf_config(fx["hf"])[
         "max_position_embeddings"])
 
