@@ -31,8 +31,8 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from titan_ulysses.checkpoint.hf_adapter import expected_hf_shapes  # noqa: E402
-from titan_ulysses.checkpoint.hf_export import hf_config  # noqa: E402
+from titan_ulysses.interop.hf_adapter import expected_hf_shapes  # noqa: E402
+from titan_ulysses.interop.hf_export import hf_config  # noqa: E402
 from titan_ulysses.models.decoder.args import DecoderArgs  # noqa: E402
 
 GIB = 2**30
@@ -78,10 +78,10 @@ def write_random_folder(folder: str, args: DecoderArgs, shard_bytes: int = 256 *
 def _rank(rank: int, world: int, init_file: str, folder: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    from titan_ulysses.checkpoint.hf import load_hf_weights
+    from titan_ulysses.interop.hf_weights import load_hf_weights
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
-    from titan_ulysses.models.hf_config import load_hf_args
+    from titan_ulysses.interop.hf_config import load_hf_args
     from titan_ulysses.models.registry import build_model, parallelize_model
 
     args = load_hf_args(folder)
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
             args = DecoderArgs(dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads,
                              ffn_hidden_dim=a.ffn, vocab_size=a.vocab, rope_scaling=None)
             write_random_folder(folder, args)
-        from titan_ulysses.models.hf_config import load_hf_args
+        from titan_ulysses.interop.hf_config import load_hf_args
 
         args = load_hf_args(folder)
         files = [f for f in os.listdir(folder) if f.endswith(".safetensors")]

@@ -97,8 +97,8 @@ def main(argv=None) -> int:
 
     from titan_ulysses.config.manager import ConfigError, load_config
     from titan_ulysses.data.build import VALIDATION_SEED_OFFSET, build_dataset
-    from titan_ulysses.checkpoint.hub import resolve_hf_assets
-    from titan_ulysses.data.hf_datasets import training_dataset_path
+    from titan_ulysses.interop.hub import resolve_hf_assets
+    from titan_ulysses.interop.hf_datasets import training_dataset_path
     from titan_ulysses.data.sources import DataError
     from titan_ulysses.data.tokenizer import resolve_tokenizer
     from titan_ulysses.ops.loss import IGNORE_INDEX

@@ -183,7 +183,7 @@ def check(out: str, gguf_tokenizer, gguf_model) -> dict:
     import torch
     import transformers
 
-    from titan_ulysses.data.hf_tokenizer import HFTokenizer
+    from titan_ulysses.interop.hf_tokenizer import HFTokenizer
 
     def fail(what: str):
         raise Refusal(f"the converted folder fails its check, so nothing was kept: {what}")

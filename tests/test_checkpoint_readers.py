@@ -69,7 +69,7 @@ def test_export_refuses_a_flipped_checkpoint(flipped, tmp_path, capsys):
                        f"was read from it: point --checkpoint at another step-N (or restore this one from a good "
                        f"copy)"], err
         assert not out.exists()
-    from titan_ulysses.checkpoint.hf_export import export_hf
+    from titan_ulysses.interop.hf_export import export_hf
 
     with pytest.raises(UntrustedCheckpointError, match="__0_0.distcp does not match its checksum"):
         export_hf(str(flipped), None, str(tmp_path / "lib"))
@@ -156,7 +156,7 @@ def test_the_manifest_covers_hf_assets(tmp_path):
 
     from hf_fixtures import make_tokenizer
     from model_harness import small_args
-    from titan_ulysses.checkpoint.hf_export import export_hf, write_model_record
+    from titan_ulysses.interop.hf_export import export_hf, write_model_record
     from titan_ulysses.checkpoint.manifest import read_manifest
     from titan_ulysses.models.decoder.model import Transformer
 

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from titan_ulysses.config.manager import ConfigError, load_config
-from titan_ulysses.models.hf_config import HFConfigError, args_from_hf_config, load_hf_args
+from titan_ulysses.interop.hf_config import HFConfigError, args_from_hf_config, load_hf_args
 from titan_ulysses.preflight import validate
 
 BASE = dict(model_type="llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2,

@@ -17,12 +17,12 @@ import torch
 from dist_utils import assert_close
 from hf_fixtures import make_hf_model
 from helpers import add_manifest
-from titan_ulysses.checkpoint.hf import load_hf_weights
-from titan_ulysses.checkpoint.hf_export import export_hf, write_model_record
+from titan_ulysses.interop.hf_weights import load_hf_weights
+from titan_ulysses.interop.hf_export import export_hf, write_model_record
 from titan_ulysses.models.decoder.args import RopeScaling
 from titan_ulysses.models.extension import extend_context
 from titan_ulysses.models.flavors import get_flavor
-from titan_ulysses.models.hf_config import args_from_hf_config, load_hf_args
+from titan_ulysses.interop.hf_config import args_from_hf_config, load_hf_args
 from titan_ulysses.models.registry import build_model
 
 transformers = pytest.importorskip("transformers")

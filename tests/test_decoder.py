@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from model_harness import make_batch, small_args
-from titan_ulysses.checkpoint.hf_export import read_model_record
+from titan_ulysses.interop.hf_export import read_model_record
 from titan_ulysses.distributed.activation_checkpoint import apply_ac
 from titan_ulysses.distributed.compile import apply_compile
 from titan_ulysses.models.decoder.feed_forward import FeedForward, dense
 from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.models.decoder.spec import DecoderSpec
-from titan_ulysses.models.hf_config import args_from_hf_config
+from titan_ulysses.interop.hf_config import args_from_hf_config
 from titan_ulysses.models.registry import FAMILIES, build_model, get_family
 from titan_ulysses.ops.loss import cross_entropy_sum
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from model_harness import build_pair, small_args
-from titan_ulysses.checkpoint.hf import export_hf, interleaved_to_halves
+from titan_ulysses.interop.hf_weights import export_hf, interleaved_to_halves
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import load_full_state_dict
@@ -167,9 +167,9 @@ def test_export_takes_the_dtype_of_the_source_weights_not_config_json(tmp_path, 
 
     from helpers import add_manifest
     from hf_fixtures import make_hf_model
-    from titan_ulysses.checkpoint.hf import load_hf_weights
-    from titan_ulysses.checkpoint.hf_export import write_model_record
-    from titan_ulysses.models.hf_config import load_hf_args
+    from titan_ulysses.interop.hf_weights import load_hf_weights
+    from titan_ulysses.interop.hf_export import write_model_record
+    from titan_ulysses.interop.hf_config import load_hf_args
 
     spec = importlib.util.spec_from_file_location("export_hf_script", os.path.join(ROOT, "scripts", "export_hf.py"))
     script = importlib.util.module_from_spec(spec)

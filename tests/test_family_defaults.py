@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from titan_ulysses.models.hf_config import args_from_hf_config
+from titan_ulysses.interop.hf_config import args_from_hf_config
 from titan_ulysses.models.registry import build_model
 
 transformers = pytest.importorskip("transformers")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from titan_ulysses.models.hf_config import HFConfigError, args_from_hf_config
+from titan_ulysses.interop.hf_config import HFConfigError, args_from_hf_config
 
 BASE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2,
             intermediate_size=128, vocab_size=320, max_position_embeddings=4096)

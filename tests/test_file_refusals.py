@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from hf_fixtures import make_hf_model
-from titan_ulysses.checkpoint.folders import output_folder_problem
-from titan_ulysses.checkpoint.hf import check_hf_weights
-from titan_ulysses.models.hf_config import load_hf_args
+from titan_ulysses.runs.folders import output_folder_problem
+from titan_ulysses.interop.hf_weights import check_hf_weights
+from titan_ulysses.interop.hf_config import load_hf_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

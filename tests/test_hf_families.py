@@ -23,13 +23,13 @@ from dist_utils import assert_close, run_distributed
 from hf_fixtures import FAMILY_VARIANTS, make_hf_model
 from helpers import add_manifest
 from model_harness import clean_name, full, make_batch
-from titan_ulysses.checkpoint.hf import load_hf_weights
-from titan_ulysses.checkpoint.hf_adapter import to_hf
+from titan_ulysses.interop.hf_weights import load_hf_weights
+from titan_ulysses.interop.hf_adapter import to_hf
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import dist_sum
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
-from titan_ulysses.models.hf_config import load_hf_args
+from titan_ulysses.interop.hf_config import load_hf_args
 from titan_ulysses.models.registry import build_model, get_family, parallelize_model
 from titan_ulysses.ops.loss import cross_entropy_sum
 
@@ -123,7 +123,7 @@ def test_export_round_trip_is_exact_and_loads_silently(folders, name, tmp_path):
     import transformers
     from safetensors.torch import load_file
 
-    from titan_ulysses.checkpoint.hf_export import export_hf, write_model_record
+    from titan_ulysses.interop.hf_export import export_hf, write_model_record
 
     folder = folders[name]
     model = build_model(load_hf_args(folder))

@@ -18,12 +18,12 @@ from dist_utils import assert_close, run_distributed
 from hf_fixtures import VARIANTS, make_hf_model
 from helpers import add_manifest
 from model_harness import make_batch, parallel_step
-from titan_ulysses.checkpoint.hf import load_hf_weights
-from titan_ulysses.checkpoint.hf_adapter import from_hf, halves_to_interleaved, interleaved_to_halves, to_hf
+from titan_ulysses.interop.hf_weights import load_hf_weights
+from titan_ulysses.interop.hf_adapter import from_hf, halves_to_interleaved, interleaved_to_halves, to_hf
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
-from titan_ulysses.models.hf_config import load_hf_args
+from titan_ulysses.interop.hf_config import load_hf_args
 
 pytest.importorskip("transformers")
 SEQ, BATCH = 24, 4
@@ -141,7 +141,7 @@ def test_export_of_each_family_loads_in_transformers(folders, name, tmp_path):
     import torch.distributed.checkpoint as dcp
     import transformers
 
-    from titan_ulysses.checkpoint.hf_export import export_hf, write_model_record
+    from titan_ulysses.interop.hf_export import export_hf, write_model_record
 
     folder = folders[name]
     model = Transformer(load_hf_args(folder))

@@ -14,7 +14,7 @@ from hf_fixtures import TEXTS, make_hf_model, make_tokenizer
 from helpers import add_manifest
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.preflight import check_files, validate
-from titan_ulysses.data.hf_tokenizer import HFTokenizer
+from titan_ulysses.interop.hf_tokenizer import HFTokenizer
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,10 +120,10 @@ def test_export_shards_with_an_index_above_the_threshold(trained, tmp_path):
     """A checkpoint written by the trainer exports as several safetensors + index when over max_shard_size."""
     import torch.distributed.checkpoint as dcp
 
-    from titan_ulysses.checkpoint.hf import export_hf, load_hf_weights
-    from titan_ulysses.checkpoint.hf_export import write_model_record
+    from titan_ulysses.interop.hf_weights import export_hf, load_hf_weights
+    from titan_ulysses.interop.hf_export import write_model_record
     from titan_ulysses.models.decoder.model import Transformer
-    from titan_ulysses.models.hf_config import load_hf_args
+    from titan_ulysses.interop.hf_config import load_hf_args
 
     folder, hf_model, _ = trained
     model = Transformer(load_hf_args(folder))
@@ -181,7 +181,7 @@ def refusal(capsys, monkeypatch):
         raise AssertionError("weights were read before the configuration was refused")
 
     monkeypatch.setattr(dcp, "load", no_weights)
-    monkeypatch.setattr("titan_ulysses.checkpoint.hf.load_hf_weights", no_weights)
+    monkeypatch.setattr("titan_ulysses.interop.hf_weights.load_hf_weights", no_weights)
 
     def run(argv):
         with pytest.raises(ConfigError):  # the same error from the checks alone, as estimate_memory / tests use them

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from hf_fixtures import make_hf_model
-from titan_ulysses.checkpoint.hf import check_hf_weights
+from titan_ulysses.interop.hf_weights import check_hf_weights
 from titan_ulysses.config.manager import ConfigError, load_config
-from titan_ulysses.models.hf_config import load_hf_args
+from titan_ulysses.interop.hf_config import load_hf_args
 from titan_ulysses.preflight import check_files
 
 pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from hf_fixtures import make_hf_model, make_tokenizer
-from titan_ulysses.checkpoint import hub
+from titan_ulysses.interop import hub
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.models.resolve import model_args
 

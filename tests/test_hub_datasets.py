@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from titan_ulysses.config.manager import ConfigError, check_requirements, load_config
-from titan_ulysses.data import hf_datasets
+from titan_ulysses.interop import hf_datasets
 from titan_ulysses.data.build import build_dataset, check_dataset_files, data_settings, open_store
-from titan_ulysses.data.hf_datasets import training_dataset_path
+from titan_ulysses.interop.hf_datasets import training_dataset_path
 from titan_ulysses.data.sources import DataError
 from titan_ulysses.data.tokenizer import resolve_tokenizer
 

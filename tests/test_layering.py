@@ -64,9 +64,9 @@ def test_the_decoder_and_the_families_are_not_distributed():
         assert not dist, f"{os.path.relpath(path, ROOT)} imports {sorted(dist)}; parallelism belongs in parallelize.py"
 
 
-STEP_TIME = ("config", "models", "distributed", "ops", "data", "checkpoint", "metrics", "integrations")
+STEP_TIME = ("config", "models", "distributed", "ops", "data", "checkpoint", "interop", "runs", "metrics", "integrations")
 """The packages a training step runs (and ``optim.py``, ``heldout.py``)."""
-PLANNING_USES = {"config", "models", "distributed", "ops", "data", "checkpoint", "optim", "planning"}
+PLANNING_USES = {"config", "models", "distributed", "ops", "data", "checkpoint", "interop", "optim", "planning"}
 """What the planner may import: the packages whose behaviour it models or reads, and itself."""
 
 

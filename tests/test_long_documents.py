@@ -16,7 +16,7 @@ import pytest
 from hf_fixtures import TEXTS, make_tokenizer
 from titan_ulysses.data import long_documents
 from titan_ulysses.data.encode import TextEncoder
-from titan_ulysses.data.hf_tokenizer import HFTokenizer
+from titan_ulysses.interop.hf_tokenizer import HFTokenizer
 from titan_ulysses.data.long_documents import encode_document, hf_cut_rule
 from titan_ulysses.data.sources import DataError
 from titan_ulysses.data.tokenizer import ByteTokenizer, TiktokenTokenizer

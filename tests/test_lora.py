@@ -18,7 +18,7 @@ import torch.distributed as dist
 import extras
 from dist_utils import assert_close, run_distributed
 from model_harness import clean_name, full, make_batch, parallel_step, reference_step, small_args, split_overrides
-from titan_ulysses.checkpoint.lora_export import AdapterMismatchError
+from titan_ulysses.interop.peft_export import AdapterMismatchError
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.distributed.float8 import Float8Options, apply_float8, precompute_float8_scales
 from titan_ulysses.distributed.lora import LoRAOptions, apply_lora, init_lora, parameter_counts, resolve_targets
@@ -342,7 +342,7 @@ def test_the_adapters_base_model_is_an_absolute_folder_or_the_name_given(tmp_pat
     (issue 32 item 5). A local folder is recorded absolute; a Hub id or a flavor's name is kept as given."""
     import json
 
-    from titan_ulysses.checkpoint.lora_export import RECORD, write_lora_record
+    from titan_ulysses.interop.peft_export import RECORD, write_lora_record
 
     (tmp_path / "models" / "base").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from hf_fixtures import make_hf_model, make_tokenizer
-from titan_ulysses.checkpoint.hf_adapter import from_hf
-from titan_ulysses.checkpoint.hf_export import read_model_record, read_model_weights
+from titan_ulysses.interop.hf_adapter import from_hf
+from titan_ulysses.interop.hf_export import read_model_record, read_model_weights
 from titan_ulysses.distributed.lora import LoRAOptions, apply_lora
 from titan_ulysses.models.decoder.model import Transformer
 
@@ -122,15 +122,15 @@ def _save_lora_checkpoint(folder, out):
     """A LoRA model at sp=2 on a Hugging Face folder's weights, random (nonzero) adapters, one checkpoint."""
     import torch.distributed as dist
 
-    from titan_ulysses.checkpoint.hf import load_hf_weights
-    from titan_ulysses.checkpoint.hf_export import write_model_record
-    from titan_ulysses.checkpoint.lora_export import write_lora_record
+    from titan_ulysses.interop.hf_weights import load_hf_weights
+    from titan_ulysses.interop.hf_export import write_model_record
+    from titan_ulysses.interop.peft_export import write_lora_record
     from titan_ulysses.checkpoint.manager import CheckpointManager
     from titan_ulysses.distributed.lora import init_state
     from titan_ulysses.distributed.parallel_dims import ParallelDims
     from titan_ulysses.distributed.utils import load_full_state_dict
     from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
-    from titan_ulysses.models.hf_config import load_hf_args
+    from titan_ulysses.interop.hf_config import load_hf_args
 
     pd = ParallelDims(sp=2, world_size=dist.get_world_size())
     pd.build_mesh("cpu")

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from titan_ulysses.models.hf_config import args_from_hf_config
+from titan_ulysses.interop.hf_config import args_from_hf_config
 from titan_ulysses.planning import extrapolate
 from titan_ulysses.planning.estimate import estimate
 from titan_ulysses.planning.inputs import GIB, Layout, Switches

@@ -216,7 +216,7 @@ def test_a_family_layer_terms_are_what_the_tracker_adds(model_type, mode):
     Gemma's sandwich norms and the checkpoint's copy of its sliding layers' RoPE) add, over the Llama decoder of
     the same shape, what the tracker adds: to 0.5 MiB in the loss's backward, which holds every layer's saved
     tensors. A layer's backward differs by its extra norms' working sets (not modelled: within 5%)."""
-    from titan_ulysses.models.hf_config import args_from_hf_config
+    from titan_ulysses.interop.hf_config import args_from_hf_config
 
     cfg = {"model_type": model_type, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 3,
            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 4096,

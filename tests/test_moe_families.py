@@ -9,9 +9,9 @@ import torch
 
 from dist_utils import assert_close
 from hf_fixtures import BASE, randomize
-from titan_ulysses.checkpoint.hf_adapter import from_hf, to_hf
+from titan_ulysses.interop.hf_adapter import from_hf, to_hf
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.hf_config import args_from_hf_config
+from titan_ulysses.interop.hf_config import args_from_hf_config
 from titan_ulysses.models.moe.aux_loss import load_balancing_loss
 from titan_ulysses.models.registry import build_model
 from titan_ulysses.ops.loss import IGNORE_INDEX, cross_entropy_sum

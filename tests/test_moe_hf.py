@@ -13,13 +13,13 @@ from dist_utils import assert_close, run_distributed
 from helpers import add_manifest
 from model_harness import clean_name, full
 from test_moe_families import MOE_VARIANTS, as_saved, hf_moe
-from titan_ulysses.checkpoint.hf import load_hf_weights
-from titan_ulysses.checkpoint.hf_adapter import from_hf
-from titan_ulysses.checkpoint.hf_export import export_hf, write_model_record
+from titan_ulysses.interop.hf_weights import load_hf_weights
+from titan_ulysses.interop.hf_adapter import from_hf
+from titan_ulysses.interop.hf_export import export_hf, write_model_record
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
-from titan_ulysses.models.hf_config import load_hf_args
+from titan_ulysses.interop.hf_config import load_hf_args
 from titan_ulysses.models.registry import build_model
 
 transformers = pytest.importorskip("transformers")

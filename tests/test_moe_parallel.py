@@ -9,13 +9,13 @@ import torch.distributed as dist
 from dist_utils import assert_close, run_distributed
 from model_harness import clean_name, full, make_batch
 from test_moe_families import MOE_VARIANTS, as_saved, hf_moe
-from titan_ulysses.checkpoint.hf_adapter import from_hf
+from titan_ulysses.interop.hf_adapter import from_hf
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import forward_backward, load_full_state_dict
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
-from titan_ulysses.models.hf_config import args_from_hf_config
+from titan_ulysses.interop.hf_config import args_from_hf_config
 from titan_ulysses.models.moe.aux_loss import load_balancing_loss
 from titan_ulysses.models.registry import build_model
 from titan_ulysses.ops.loss import IGNORE_INDEX, cross_entropy_sum

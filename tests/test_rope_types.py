@@ -9,7 +9,7 @@ truncate changes the range, mscale / attention_factor override, longrope's long 
 import pytest
 import torch
 
-from titan_ulysses.models.hf_config import HFConfigError, args_from_hf_config
+from titan_ulysses.interop.hf_config import HFConfigError, args_from_hf_config
 from titan_ulysses.models.rope import rope_frequencies
 
 transformers = pytest.importorskip("transformers")

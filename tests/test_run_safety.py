@@ -271,7 +271,7 @@ def test_a_config_error_under_torchrun_is_printed_once():
 
 
 def test_a_checkpoint_folder_shared_by_two_dump_folders_is_locked(tmp_path):
-    from titan_ulysses.checkpoint.lock import RunLock
+    from titan_ulysses.runs.lock import RunLock
 
     shared = tmp_path / "shared_checkpoints"  # an absolute checkpoint.folder: outside either dump folder
     held = RunLock(str(shared), "checkpoint.folder")  # run A, alive, in another dump folder
@@ -290,8 +290,8 @@ def test_a_checkpoint_folder_shared_by_two_dump_folders_is_locked(tmp_path):
 
 @pytest.mark.slow
 def test_lock_refusals_and_stale_locks_where_flock_is_missing(tmp_path, monkeypatch):
-    from titan_ulysses.checkpoint import lock as lock_module
-    from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
+    from titan_ulysses.runs import lock as lock_module
+    from titan_ulysses.runs.lock import FolderInUseError, RunLock
 
     held = RunLock(str(tmp_path))
     assert held.acquire() is None

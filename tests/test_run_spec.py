@@ -14,11 +14,11 @@ import pytest
 
 from dist_utils import run_distributed
 from spec_fixtures import COMMON, SCRIPTS, _train, fx, train_main  # noqa: F401 (fixtures)
-from titan_ulysses.checkpoint.hf_export import read_model_record
+from titan_ulysses.interop.hf_export import read_model_record
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.models.extension import extend_context
 from titan_ulysses.models.flavors import TRAINED_SEQ_LEN, get_flavor
-from titan_ulysses.models.hf_config import load_hf_args, read_hf_config
+from titan_ulysses.interop.hf_config import load_hf_args, read_hf_config
 from titan_ulysses.run_spec import resolve_run
 
 SOURCES = ["flavor", "hf", "extended_flavor", "extended_hf", "lora"]

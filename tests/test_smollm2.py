@@ -32,11 +32,11 @@ import torch.nn.functional as F
 
 from dist_utils import assert_close, run_distributed
 from model_harness import clean_name, full, parallel_step
-from titan_ulysses.checkpoint.hf import load_hf_weights
-from titan_ulysses.checkpoint.hf_adapter import to_hf
+from titan_ulysses.interop.hf_weights import load_hf_weights
+from titan_ulysses.interop.hf_adapter import to_hf
 from titan_ulysses.data.sharding import rank_token_index
 from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.models.hf_config import load_hf_args
+from titan_ulysses.interop.hf_config import load_hf_args
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 from titan_ulysses.models.registry import build_model, parallelize_model
 from titan_ulysses.ops.loss import IGNORE_INDEX

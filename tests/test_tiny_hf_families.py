@@ -14,11 +14,11 @@ import os
 import pytest
 import torch
 
-from titan_ulysses.checkpoint.hf import load_hf_weights
+from titan_ulysses.interop.hf_weights import load_hf_weights
 from titan_ulysses.data.chat import load_chat_template
 from titan_ulysses.data.encode import SFTEncoder
 from titan_ulysses.data.tokenizer import build_tokenizer
-from titan_ulysses.models.hf_config import load_hf_args
+from titan_ulysses.interop.hf_config import load_hf_args
 from titan_ulysses.models.registry import build_model, get_family
 
 transformers = pytest.importorskip("transformers")

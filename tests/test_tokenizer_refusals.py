@@ -124,7 +124,7 @@ def test_a_tokenizer_config_that_disagrees_with_the_tokenizer_is_refused(folder,
         f"different tokenizers; copy both from one model")
     # the entries tokenizer.json agrees with pass
     config_path.write_text(json.dumps({**config, "added_tokens_decoder": {"1": {"content": "<|end_of_text|>"}}}))
-    from titan_ulysses.data.hf_tokenizer import HFTokenizer
+    from titan_ulysses.interop.hf_tokenizer import HFTokenizer
 
     assert HFTokenizer(str(folder)).eos_id == 1
 

@@ -178,7 +178,7 @@ def test_plan_reads_a_hugging_face_folder(tmp_path, capsys):
 
     from titan_ulysses.config.manager import load_config
     from titan_ulysses.preflight import validate
-    from titan_ulysses.models.hf_config import load_hf_args
+    from titan_ulysses.interop.hf_config import load_hf_args
 
     folder = str(tmp_path / "qwen3")
     make_hf_model(folder, "qwen3", {})

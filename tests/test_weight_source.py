@@ -90,7 +90,7 @@ def _refuses_until_asked(argv, folder, capfd, source_line, keep=None, trained=Fa
 
 
 def test_flavor_run_and_initial_load_path_with_every_checkpoint_damaged(tmp_path, capfd):
-    from titan_ulysses.checkpoint.hf_export import read_model_weights
+    from titan_ulysses.interop.hf_export import read_model_weights
     from titan_ulysses.models.flavors import get_flavor
 
     short = []  # BASE: seq_len 128, the shortest a byte-level passkey sample fits
@@ -142,9 +142,9 @@ def hf_folder(tmp_path_factory):
 
 
 def _hf_weights(folder):
-    from titan_ulysses.checkpoint.hf import load_hf_weights
+    from titan_ulysses.interop.hf_weights import load_hf_weights
     from titan_ulysses.models.decoder.model import Transformer
-    from titan_ulysses.models.hf_config import load_hf_args
+    from titan_ulysses.interop.hf_config import load_hf_args
 
     model = Transformer(load_hf_args(str(folder)))
     load_hf_weights(model, str(folder))
@@ -165,13 +165,13 @@ def test_hf_folder_weights_by_default_and_after_every_checkpoint_is_damaged(tmp_
     out = capfd.readouterr().out
     assert f"LlamaForCausalLM 2 layers, dim 64" in out and f"weights from checkpoint.initial_load_path {step2}" in out
     assert f"the architecture is that of the start checkpoint ({step2}/hf_assets)" in out, out[-2000:]
-    from titan_ulysses.checkpoint.hf_export import read_model_weights
+    from titan_ulysses.interop.hf_export import read_model_weights
 
     _assert_same(tmp_path / "longer.pt", read_model_weights(str(step2)))
 
 
 def test_initial_load_in_hf_false_means_the_architecture_only(tmp_path, capfd, hf_folder):
-    from titan_ulysses.models.hf_config import load_hf_args
+    from titan_ulysses.interop.hf_config import load_hf_args
 
     _run(["--model.hf_assets_path", str(hf_folder), "--checkpoint.initial_load_in_hf", "false",
           "--checkpoint.enable", "false"], tmp_path / "run", tmp_path / "start.pt")

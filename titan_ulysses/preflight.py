@@ -28,18 +28,18 @@ import sys
 import torch
 import torch.distributed as dist
 
-from titan_ulysses.checkpoint.folders import output_folders_problem
-from titan_ulysses.checkpoint.hf import check_hf_weights
-from titan_ulysses.checkpoint.hf_export import check_dcp_model_shapes
-from titan_ulysses.checkpoint.hub import resolve_hf_assets
+from titan_ulysses.runs.folders import output_folders_problem
+from titan_ulysses.interop.hf_weights import check_hf_weights
+from titan_ulysses.interop.hf_export import check_dcp_model_shapes
+from titan_ulysses.interop.hub import resolve_hf_assets
 from titan_ulysses.checkpoint.verify import ALL
 from titan_ulysses.checkpoint.weight_source import adopt_start_record, hf_weights_wanted
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError, check_config, check_requirements
 from titan_ulysses.data.build import check_dataset_files
 from titan_ulysses.data.datasets import check_passkey_fits
-from titan_ulysses.data.hf_datasets import training_dataset_path
-from titan_ulysses.data.hf_tokenizer import hf_tokenizer_file
+from titan_ulysses.interop.hf_datasets import training_dataset_path
+from titan_ulysses.interop.hf_tokenizer import hf_tokenizer_file
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.metrics.loggers.wandb_logger import login_problem
@@ -121,7 +121,7 @@ def check_launch(config: JobConfig) -> tuple[ParallelDims, RunSpec, str | None]:
     """Every check a launch makes before it joins the process group, in the order that matters;
     returns the layout, the run's spec and the start record's note for the start-up line.
 
-    A Hub id in ``model.hf_assets_path`` first becomes its snapshot folder (``checkpoint/hub.py``);
+    A Hub id in ``model.hf_assets_path`` first becomes its snapshot folder (``interop/hub.py``);
     then the start checkpoint's record (it may give the architecture), the dataset files before
     the layout (a layout error must not hide a missing file), then ``validate``, ``check_files``
     and the output folder.

@@ -31,8 +31,8 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from titan_ulysses.checkpoint.hf_export import ASSETS, read_model_record, record_hint
-from titan_ulysses.checkpoint.hub import resolve_hf_assets
+from titan_ulysses.interop.hf_export import ASSETS, read_model_record, record_hint
+from titan_ulysses.interop.hub import resolve_hf_assets
 from titan_ulysses.checkpoint.weight_source import WeightSource, fresh_source
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError
@@ -40,7 +40,7 @@ from titan_ulysses.config.resume import overrides as override_list
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer, tokenizer_source
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.flavors import TRAINED_SEQ_LEN, get_flavor
-from titan_ulysses.models.hf_config import describe, load_hf_args, read_hf_config
+from titan_ulysses.interop.hf_config import describe, load_hf_args, read_hf_config
 from titan_ulysses.models.resolve import apply_model_settings
 
 
@@ -80,7 +80,7 @@ def hf_folder(config: JobConfig, record_dir: str = "") -> str:
     """The Hugging Face folder of the run: the first and only place ``model.hf_assets_path`` is read
     (a Hub id becomes a local snapshot folder here); else a start checkpoint's ``hf_assets/``.
     Writes the folder back to ``config.model.hf_assets_path`` so that every later reader sees it."""
-    resolve_hf_assets(config)  # a Hub id -> its snapshot folder (checkpoint/hub.py); a folder stays as it is
+    resolve_hf_assets(config)  # a Hub id -> its snapshot folder (interop/hub.py); a folder stays as it is
     folder = config.model.hf_assets_path
     if not folder and record_dir and os.path.isfile(os.path.join(record_dir, ASSETS, "config.json")):
         folder = os.path.join(record_dir, ASSETS)

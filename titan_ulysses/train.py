@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
     from titan_ulysses.config.manager import ConfigError, load_config
     from titan_ulysses.data.sources import DataError
     from titan_ulysses.checkpoint.errors import RunRefused  # a folder in use, every checkpoint damaged
-    from titan_ulysses.checkpoint.lora_export import AdapterMismatchError
+    from titan_ulysses.interop.peft_export import AdapterMismatchError
     from titan_ulysses.checkpoint.verify import UntrustedCheckpointError  # initial_load_path, a resume step
 
     previous = {sig: signal.signal(sig, _preempted) for sig in (signal.SIGTERM, signal.SIGUSR1)}

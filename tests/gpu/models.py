@@ -17,9 +17,9 @@ def families_bf16(ctx):
     against transformers' fp32, beside transformers' own bf16 error; our fp32 within 1e-4."""
     from hf_fixtures import FAMILY_VARIANTS, VARIANTS, make_hf_model
 
-    from titan_ulysses.checkpoint.hf import load_hf_weights
+    from titan_ulysses.interop.hf_weights import load_hf_weights
     from titan_ulysses.models.compute import ComputeOptions
-    from titan_ulysses.models.hf_config import load_hf_args
+    from titan_ulysses.interop.hf_config import load_hf_args
     from titan_ulysses.models.registry import build_model
 
     torch.backends.cuda.matmul.allow_tf32 = False

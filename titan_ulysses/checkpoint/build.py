@@ -12,10 +12,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from titan_ulysses.checkpoint.hf_export import write_model_record
-from titan_ulysses.checkpoint.hub import hub_id_of
-from titan_ulysses.checkpoint.lock import FolderInUseError, RunLock
-from titan_ulysses.checkpoint.lora_export import write_lora_record
+from titan_ulysses.interop.hf_export import write_model_record
+from titan_ulysses.interop.hub import hub_id_of
+from titan_ulysses.runs.lock import FolderInUseError, RunLock
+from titan_ulysses.interop.peft_export import write_lora_record
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.checkpoint.weight_source import WeightSource, load_start_weights
 from titan_ulysses.config.resume import resume_settings

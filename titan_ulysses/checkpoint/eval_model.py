@@ -10,7 +10,7 @@ import os
 import torch
 from torch import nn
 
-from titan_ulysses.checkpoint.hf import check_hf_weights, load_hf_weights
+from titan_ulysses.interop.hf_weights import check_hf_weights, load_hf_weights
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.checkpoint.weight_source import hf_has_weights
 from titan_ulysses.config.manager import ConfigError

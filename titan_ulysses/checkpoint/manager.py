@@ -46,7 +46,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_ulysses.checkpoint import manifest
-from titan_ulysses.checkpoint.lora_export import AdapterMismatchError, check_adapters, model_only_planner
+from titan_ulysses.interop.peft_export import AdapterMismatchError, check_adapters, model_only_planner
 from titan_ulysses.checkpoint.safety import explain_save_error, nonfinite_tensors, set_aside, state_bytes
 from titan_ulysses.checkpoint.state import training_state
 from titan_ulysses.checkpoint.steps import STEP_DIR as _STEP_DIR

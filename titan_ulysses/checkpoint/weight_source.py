@@ -99,7 +99,7 @@ def adopt_start_record(config, shards: tuple[int, int] | None = None) -> str | N
     note for the start-up line, or None when nothing was taken. Checkpoints of flavor runs keep
     ``model.flavor``; a mismatch is refused by the shape check, naming the flavor recorded.
     """
-    from titan_ulysses.checkpoint.hf_export import ASSETS
+    from titan_ulysses.interop.hf_export import ASSETS
     from titan_ulysses.checkpoint.steps import missing_checkpoint
     from titan_ulysses.checkpoint.verify import verify_checkpoint
 
@@ -159,7 +159,7 @@ def load_start_weights(config, checkpointer, model, init_random, init_adapters=N
         step = checkpointer.load_from(fresh.path)
         return WeightSource("initial_load_path", fresh.path, step, model_only=False)
     if fresh.kind == "hf":
-        from titan_ulysses.checkpoint.hf import load_hf_weights
+        from titan_ulysses.interop.hf_weights import load_hf_weights
 
         load_hf_weights(model, fresh.path)
         return fresh

@@ -79,7 +79,7 @@ def out_of_range(key: str, value, bounds: tuple | None = None) -> str | None:
     """The refusal for ``key = value``, or None when the value is in range.
 
     ``bounds`` is a ``RANGES`` row (default: ``RANGES[key]``); config.json's table
-    (``models/hf_ranges.py``) passes its own.
+    (``interop/hf_ranges.py``) passes its own.
     """
     if isinstance(value, float) and not math.isfinite(value):
         return f"{key} must be a finite number, got {value}"

@@ -15,11 +15,11 @@ from datetime import timedelta
 import numpy as np
 
 from titan_ulysses.config.job_config import JobConfig
-from titan_ulysses.data import hf_datasets
+from titan_ulysses.interop import hf_datasets
 from titan_ulysses.data.chat import load_chat_template
 from titan_ulysses.data.datasets import PasskeyDataset
 from titan_ulysses.data.encode import SFTEncoder, TextEncoder
-from titan_ulysses.data.hf_datasets import is_hf, training_dataset_path
+from titan_ulysses.interop.hf_datasets import is_hf, training_dataset_path
 from titan_ulysses.data.loader import build_dataloader
 from titan_ulysses.data.sources import DataError, list_files, work_items
 from titan_ulysses.data.token_store import (

@@ -86,7 +86,7 @@ def _line_number(path: str, offset: int) -> int:
 def read_rows(item: WorkItem):
     """Yield ``(where, row)`` for the rows of ``item``: ``row`` is a dict (jsonl/parquet/hf) or a str (txt)."""
     if item.kind == "hf":  # a `datasets` split's row range (hf_datasets.py)
-        from titan_ulysses.data.hf_datasets import read_hf_rows
+        from titan_ulysses.interop.hf_datasets import read_hf_rows
 
         yield from read_hf_rows(item)
         return

@@ -148,7 +148,7 @@ def build_tokenizer(kind: str, path: str = ""):
     if kind == "tiktoken":
         return TiktokenTokenizer(path)
     if kind == "hf":  # path: a tokenizer.json or its folder
-        from titan_ulysses.data.hf_tokenizer import HFTokenizer
+        from titan_ulysses.interop.hf_tokenizer import HFTokenizer
 
         return HFTokenizer(path)
     raise ValueError(f"model.tokenizer {kind!r} is not one of ['byte', 'tiktoken', 'hf']")

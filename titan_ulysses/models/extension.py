@@ -22,7 +22,7 @@ def extend_context(args: DecoderArgs, factor: float, method: str = "", original:
     """``args`` with RoPE scaled ``factor`` times by ``method`` ("" : the model's own); ValueError names the setting."""
     if factor <= 0:
         return args
-    if factor < 1:  # as config.json's factor (models/hf_ranges.py): transformers requires >= 1
+    if factor < 1:  # as config.json's factor (interop/hf_ranges.py): transformers requires >= 1
         raise ValueError(f"model.rope_scaling_factor must be 0 (off) or >= 1 (how many times longer the context "
                          f"becomes), got {factor:g}")
     current = args.rope_scaling

@@ -15,7 +15,7 @@ from titan_ulysses.config.manager import ConfigError
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.extension import extend_context
 from titan_ulysses.models.flavors import TRAINED_SEQ_LEN, get_flavor
-from titan_ulysses.models.hf_config import load_hf_args, read_hf_config
+from titan_ulysses.interop.hf_config import load_hf_args, read_hf_config
 
 
 def model_args(config: JobConfig, vocab_size: int = 0) -> DecoderArgs:

@@ -27,7 +27,7 @@ from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError, resolved_global_batch_size
 from titan_ulysses.data.build import fewer_than_one_window
 from titan_ulysses.data.datasets import PasskeyDataset
-from titan_ulysses.data.hf_datasets import hf_items, is_hf
+from titan_ulysses.interop.hf_datasets import hf_items, is_hf
 from titan_ulysses.data.sources import DataError, list_files, read_rows, work_items
 from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.planning.estimate import estimate

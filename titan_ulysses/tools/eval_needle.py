@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ulysses.checkpoint.eval_model import load_eval_model
-from titan_ulysses.checkpoint.hf_export import read_data_settings
+from titan_ulysses.interop.hf_export import read_data_settings
 from titan_ulysses.checkpoint.verify import verify_checkpoint
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.datasets import make_passkey_tokens, random_passkey

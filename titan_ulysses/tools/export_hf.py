@@ -31,8 +31,8 @@ import sys
 
 import torch
 
-from titan_ulysses.checkpoint.hf_export import export_hf, source_dtype
-from titan_ulysses.checkpoint.lora_export import export_peft_adapter
+from titan_ulysses.interop.hf_export import export_hf, source_dtype
+from titan_ulysses.interop.peft_export import export_peft_adapter
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.run_spec import resolve_run
 

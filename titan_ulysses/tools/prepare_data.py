@@ -15,10 +15,10 @@ import os
 import sys
 import time
 
-from titan_ulysses.checkpoint.hub import resolve_hf_assets
+from titan_ulysses.interop.hub import resolve_hf_assets
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.build import open_store
-from titan_ulysses.data.hf_datasets import is_hf, training_dataset_path
+from titan_ulysses.interop.hf_datasets import is_hf, training_dataset_path
 from titan_ulysses.data.sources import DataError, list_files
 from titan_ulysses.data.tokenizer import resolve_tokenizer
 

@@ -1,7 +1,7 @@
 """The decoder's arguments: every shape and option a family's config.json sets (``models/families/``).
 
 Qwen3 and Qwen2/2.5 are the Llama decoder with a few flags (``qk_norm``,
-``head_dim_override``, ``qkv_bias``); ``models/hf_config.py`` reads them from a Hugging
+``head_dim_override``, ``qkv_bias``); ``interop/hf_config.py`` reads them from a Hugging
 Face ``config.json``. The named shapes (``model.flavor``) are in ``models/flavors.py``.
 """
 

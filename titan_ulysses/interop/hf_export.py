@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from titan_ulysses.checkpoint.hf_adapter import (
+from titan_ulysses.interop.hf_adapter import (
     experts_to_theirs,
     hf_tensors,
     is_expert,
@@ -32,8 +32,8 @@ from titan_ulysses.checkpoint.hf_adapter import (
     ours_to_theirs,
     part_name,
 )
-from titan_ulysses.checkpoint.hf_check import weights_dtype
-from titan_ulysses.checkpoint.lora_export import merge, pop_adapters, scaling_of
+from titan_ulysses.interop.hf_check import weights_dtype
+from titan_ulysses.interop.peft_export import merge, pop_adapters, scaling_of
 from titan_ulysses.checkpoint.steps import missing_checkpoint
 from titan_ulysses.checkpoint.verify import verify_checkpoint
 from titan_ulysses.models.decoder.args import DecoderArgs, RopeScaling

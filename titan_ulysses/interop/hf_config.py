@@ -13,7 +13,7 @@ import json
 import os
 
 from titan_ulysses.models.decoder.args import DecoderArgs
-from titan_ulysses.models.hf_ranges import check_hf_ranges, check_rope_lengths
+from titan_ulysses.interop.hf_ranges import check_hf_ranges, check_rope_lengths
 from titan_ulysses.models.registry import HFConfigError, get_family
 
 __all__ = ["HFConfigError", "args_from_hf_config", "describe", "load_hf_args", "read_hf_config"]
@@ -65,7 +65,7 @@ def _refuse_unsupported(cfg: dict) -> None:
 
 def args_from_hf_config(cfg: dict, where: str = "config.json", **overrides) -> DecoderArgs:
     """Model arguments for a parsed config.json, by its family; raises HFConfigError naming the field it refuses
-    (a number out of range also names ``where``, the file: ``models/hf_ranges.py``)."""
+    (a number out of range also names ``where``, the file: ``interop/hf_ranges.py``)."""
     _refuse_unsupported(cfg)
     check_hf_ranges(cfg, where)
     args = get_family(cfg.get("model_type")).args_from_config(cfg)

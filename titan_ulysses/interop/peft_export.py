@@ -81,8 +81,8 @@ def export_peft_adapter(checkpoint_dir: str, output_dir: str, base_model: str = 
     """Write a peft LoRA folder for a LoRA checkpoint; ``base_model`` overrides the recorded base."""
     from safetensors.torch import save_file
 
-    from titan_ulysses.checkpoint.hf_adapter import hf_tensors, ours_to_theirs
-    from titan_ulysses.checkpoint.hf_export import _model_metadata, read_model_record, read_model_weights
+    from titan_ulysses.interop.hf_adapter import hf_tensors, ours_to_theirs
+    from titan_ulysses.interop.hf_export import _model_metadata, read_model_record, read_model_weights
     from titan_ulysses.checkpoint.verify import verify_checkpoint
 
     verify_checkpoint(checkpoint_dir, "--checkpoint")  # it exists and matches its manifest, before any read

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_ulysses.checkpoint.hf_adapter import expected_hf_shapes
+from titan_ulysses.interop.hf_adapter import expected_hf_shapes
 from titan_ulysses.models.decoder.args import DecoderArgs
 
 INDEX = "model.safetensors.index.json"

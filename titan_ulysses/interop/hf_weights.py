@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_ulysses.checkpoint.hf_adapter import (  # noqa: F401 (interleaved_to_halves: public here since export)
+from titan_ulysses.interop.hf_adapter import (  # noqa: F401 (interleaved_to_halves: public here since export)
     halves_to_interleaved,
     hf_tensors,
     interleaved_to_halves,
@@ -31,9 +31,9 @@ from titan_ulysses.checkpoint.hf_adapter import (  # noqa: F401 (interleaved_to_
     split,
     theirs_to_ours,
 )
-from titan_ulysses.checkpoint.hf_check import check_hf_weights  # noqa: F401 (public here: what the loader needs)
-from titan_ulysses.checkpoint.hf_experts import ExpertReads
-from titan_ulysses.checkpoint.hf_export import export_hf, hf_config, read_model_weights  # noqa: F401
+from titan_ulysses.interop.hf_check import check_hf_weights  # noqa: F401 (public here: what the loader needs)
+from titan_ulysses.interop.hf_experts import ExpertReads
+from titan_ulysses.interop.hf_export import export_hf, hf_config, read_model_weights  # noqa: F401
 
 
 def _place_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,7 @@ def load_hf_weights(model: nn.Module, folder: str, thread_count: int = 1) -> Non
     """Load the folder's weights into ``model`` (parallelized or not; ``model.args`` gives the family)."""
     import torch.distributed as dist
 
-    from titan_ulysses.checkpoint.hf_progress import ProgressReader
+    from titan_ulysses.interop.hf_progress import ProgressReader
 
     args = model.args
     state = get_model_state_dict(model)  # LoRA adapters are not in the folder: they keep their values

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from titan_ulysses.checkpoint.hf_adapter import experts_from_theirs
+from titan_ulysses.interop.hf_adapter import experts_from_theirs
 from titan_ulysses.models.registry import ExpertPart
 
 

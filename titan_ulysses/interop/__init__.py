@@ -1,0 +1,1 @@
+"""Hugging Face in and out: config.json, tensors, tokenizers, datasets, the Hub, export (transformers and peft formats)."""
