@@ -183,11 +183,17 @@ def trial_main(spec: dict) -> int:
     short batch (optimizer state allocated), then one step at ``seq_len``; prints one JSON line."""
     import dataclasses
 
+    import titan_ulysses.preflight as preflight_mod
     import titan_ulysses.trainer as trainer_mod
     from titan_ulysses.config.manager import load_config
 
-    original = trainer_mod.model_args
-    trainer_mod.model_args = lambda c, v: dataclasses.replace(original(c, v), n_layers=spec["n_layers"])
+    original = preflight_mod.resolve_run  # the run's spec, the model cut to n_layers (every builder reads it)
+
+    def cut(*args, **kwargs):
+        run = original(*args, **kwargs)
+        return dataclasses.replace(run, args=dataclasses.replace(run.args, n_layers=spec["n_layers"]))
+
+    preflight_mod.resolve_run = cut
     config = load_config(["--config", spec["config"], *spec["overrides"], "--training.seq_len", str(spec["seq_len"]),
                           "--checkpoint.enable", "false"])
     t = trainer_mod.Trainer(config)

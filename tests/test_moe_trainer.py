@@ -65,3 +65,19 @@ def test_router_aux_loss_coef_overrides_config_json(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.router_aux_loss_coef 0.01: model.flavor 'debugmodel' has no "
                                           r"experts; leave it at -1$"):
         model_args(load_config(["--model.router_aux_loss_coef", "0.01"]))
+
+
+def test_selective_ac_with_expert_parallelism_is_refused_in_one_line(tmp_path):
+    """It failed at step 1's backward (the experts' FSDP unit inside a selectively checkpointed block
+    replays a different number of ops); full and full_offload work, and selective without ep."""
+    from titan_ulysses.config.manager import ConfigError, load_config
+    from titan_ulysses.preflight import validate
+
+    hf_moe("qwen3_moe").save_pretrained(tmp_path / "hf")
+    base = ["--model.hf_assets_path", str(tmp_path / "hf"), "--parallelism.ulysses_degree", "2",
+            "--activation_checkpoint.mode"]
+    with pytest.raises(ConfigError, match=r"^activation_checkpoint.mode selective with "
+                                          r"parallelism.expert_parallel_degree 2: not supported .*; use mode full"):
+        validate(load_config(base + ["selective", "--parallelism.expert_parallel_degree", "2"]), 2)
+    validate(load_config(base + ["selective"]), 2)
+    validate(load_config(base + ["full", "--parallelism.expert_parallel_degree", "2"]), 2)

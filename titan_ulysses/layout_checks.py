@@ -50,6 +50,16 @@ def _staged_with(run: Run) -> None:
                          f"nn.Linear projections per head group only; set parallelism.ulysses_head_stages 1")
 
 
+def _selective_with_ep(run: Run) -> None:
+    """The experts' own FSDP unit sits inside the block: under selective AC its all-gather hooks run a
+    different number of ops in the recompute than in the forward, which selective AC cannot replay."""
+    mode = run.config.activation_checkpoint.mode
+    if mode == "selective" and run.dims.ep > 1:
+        raise ValueError(f"activation_checkpoint.mode selective with parallelism.expert_parallel_degree "
+                         f"{run.dims.ep}: not supported (the experts' FSDP unit inside a selectively checkpointed "
+                         f"block); use mode full or full_offload, or expert_parallel_degree 1")
+
+
 def _batch(run: Run) -> None:
     t, dp = run.config.training, run.dims.size("dp")
     gbs = resolved_global_batch_size(run.config, dp)
@@ -80,6 +90,7 @@ CHECKS: tuple[tuple[str, Callable[[Run], None], str], ...] = (
      lambda r: check_moe(r.args, r.dims.ep, r.dims.tp, parse_lora_targets(r.config.lora.target_modules)
                          if r.config.lora.rank > 0 else None, r.source), "{e}"),
     ("distributed/staged_attention.py: what head stages cannot slice", _staged_with, "{e}"),
+    ("distributed/activation_checkpoint.py: selective AC around the experts' FSDP unit", _selective_with_ep, "{e}"),
     ("distributed/activation_checkpoint.py: groups of layers",
      lambda r: check_layers_per_checkpoint(r.config.activation_checkpoint.mode,
                                            r.config.activation_checkpoint.layers_per_checkpoint), "{e}"),

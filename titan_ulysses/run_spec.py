@@ -126,10 +126,10 @@ def _model(config: JobConfig, start: str) -> tuple[DecoderArgs, str, str, bool, 
                                         "model.hf_assets_path")
             return args, f"{describe(args)} (from {folder}/config.json)", "", False, (), ()
         try:
-            args = apply_model_settings(get_flavor(m.flavor), m, TRAINED_SEQ_LEN.get(m.flavor, 0),
-                                        source=f"model.flavor {m.flavor!r}")
+            flavor = get_flavor(m.flavor)
         except ValueError as e:
             raise ConfigError(f"model.flavor: {e}") from e
+        args = apply_model_settings(flavor, m, TRAINED_SEQ_LEN.get(m.flavor, 0), source=f"model.flavor {m.flavor!r}")
         return args, f"flavor {m.flavor}", "", False, (), ()
     recorded, hf_config = record
     _same_model(config, folder, recorded, start)
