@@ -53,7 +53,6 @@ def small_chunks(monkeypatch):
 
 CASES = {
     "qwen3_moe-none-sp2-ep2": ("qwen3_moe", Layout(sp=2, ep=2), {"ac_mode": "none"}),
-    "qwen3_moe-full-sp2-ep2": ("qwen3_moe", Layout(sp=2, ep=2), {"ac_mode": "full"}),
     "qwen3_moe-offload-staged-sp2-ep2": ("qwen3_moe", Layout(sp=2, ep=2), {
         "ac_mode": "full_offload", "head_stages": 2, "stage_keep_attention": False}),
     "qwen3_moe-full-dp2-sp2-ep2": ("qwen3_moe", Layout(dp_shard=2, sp=2, ep=2), {"ac_mode": "full"}),
@@ -136,7 +135,7 @@ def _drop_the_combines_gradient(monkeypatch):
 
 @pytest.mark.parametrize("drop, case", [
     (_drop_router_probabilities, "qwen3_moe-none-sp2-ep2"),  # 32 B per token and layer, the smallest checked
-    (_drop_a_row_intermediate, "qwen3_moe-full-sp2-ep2"),  # in the recompute
+    (_drop_a_row_intermediate, "qwen3_moe-full-dp2-sp2-ep2"),  # in the recompute
     (_drop_the_combines_gradient, "qwen3_moe-none-sp2-ep2"),  # a [T, D] of the backward's working set
 ], ids=lambda v: getattr(v, "__name__", v))
 def test_the_tolerance_catches_a_missing_term(drop, case, small_chunks, monkeypatch):
