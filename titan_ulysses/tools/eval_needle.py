@@ -226,8 +226,13 @@ def main(argv=None) -> int:
 
 
 def cli() -> None:
-    """The installed command (pyproject.toml's [project.scripts])."""
-    sys.exit(main())
+    """The installed command (pyproject.toml's [project.scripts]); never returns."""
+    code = main()
+    # as train.py and eval_long: no interpreter teardown, where a joinable gloo thread aborts the process now and
+    # then ("terminate called without an active exception", exit -6, seen in CI)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
