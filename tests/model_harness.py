@@ -12,6 +12,7 @@ from dist_utils import assert_close
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.utils import forward_backward, load_full_state_dict
+from titan_ulysses.models.registry import build_model
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
@@ -70,13 +71,20 @@ def build_pair(args, parallel_dims: ParallelDims, options: ParallelizeOptions, c
     ref.init_weights()
     if trained:
         trained_like(ref)
+    return ref, parallel_copy(args, ref.state_dict(), parallel_dims, options, compute)
+
+
+def parallel_copy(args, state: dict, parallel_dims: ParallelDims, options: ParallelizeOptions,
+                  compute: ComputeOptions | None = None):
+    """``args``' model (its family's decoder) built on meta, parallelized over ``parallel_dims`` and loaded
+    with the full ``state``."""
     with torch.device("meta"):
-        model = Transformer(args, compute)
+        model = build_model(args, compute)
     parallelize_decoder(model, parallel_dims, options)
     model.to_empty(device="cpu")
     model.init_buffers()
-    load_full_state_dict(model, ref.state_dict())
-    return ref, model
+    load_full_state_dict(model, state)
+    return model
 
 
 def make_batch(step: int, global_batch: int, seq_len: int, vocab: int):

@@ -55,18 +55,4 @@ def fx(tmp_path_factory):
     return out
 
 
-@pytest.fixture
-def train_main(capsys):
-    """``train.main(argv)`` in this process: (exit code, stdout, stderr lines)."""
-    sys.path.insert(0, ROOT)
-    import train
-
-    def run(argv):
-        capsys.readouterr()
-        code = train.main(argv)
-        captured = capsys.readouterr()
-        return code, captured.out, captured.err.strip().splitlines()
-
-    return run
-
 

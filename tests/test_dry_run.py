@@ -71,20 +71,6 @@ def overrides_for(path: str, stand_ins: dict, dump: str) -> list[str]:
     return out
 
 
-@pytest.fixture
-def train_main(capsys):
-    """``train.main(argv)`` in this process: (exit code, stdout, stderr lines)."""
-    sys.path.insert(0, ROOT)
-    import train
-
-    def run(argv):
-        capsys.readouterr()
-        code = train.main(argv)
-        captured = capsys.readouterr()
-        return code, captured.out, captured.err.strip().splitlines()
-
-    return run
-
 
 def test_every_config_has_a_world_size():
     assert len(CONFIGS) >= 6

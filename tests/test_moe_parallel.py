@@ -7,19 +7,20 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import assert_close, run_distributed
-from model_harness import clean_name, full, make_batch
+from model_harness import clean_name, full, make_batch, parallel_copy
 from test_moe_families import MOE_VARIANTS, as_saved, hf_moe
 from titan_ulysses.interop.hf_adapter import from_hf
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.distributed.utils import forward_backward, load_full_state_dict
+from titan_ulysses.distributed.utils import forward_backward
 from titan_ulysses.models.compute import ComputeOptions
-from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 from titan_ulysses.interop.hf_config import args_from_hf_config
 from titan_ulysses.models.moe.aux_loss import load_balancing_loss
 from titan_ulysses.models.registry import build_model
 from titan_ulysses.ops.loss import IGNORE_INDEX, cross_entropy_sum
 
+SDPA = ComputeOptions(attn_backend="sdpa")
 LAYOUTS = {"sp2": dict(sp=2), "ep2_sp2": dict(sp=2, ep=2), "ep2_dp_shard2": dict(dp_shard=2, ep=2)}
 # four ranks: experts on 2 ep ranks and FSDP-sharded over the 2 outside them (their gradients add up),
 # and HSDP's replicas
@@ -41,7 +42,7 @@ def _matches_one_process(name, layouts=LAYOUTS):
     state = from_hf(as_saved(hf, hf.state_dict()), args)
     coef = args.moe.aux_loss_coef
     inputs, labels = make_batch(0, 4, 20, args.vocab_size)
-    ref = build_model(args, ComputeOptions(attn_backend="sdpa"))
+    ref = build_model(args, SDPA)
     ref.load_state_dict(state)
     lm = cross_entropy_sum(ref(inputs), labels) / (labels != IGNORE_INDEX).sum()
     ref_loss = lm + coef * load_balancing_loss(ref.router_stats)
@@ -50,12 +51,7 @@ def _matches_one_process(name, layouts=LAYOUTS):
     for layout_name, layout in layouts.items():
         pd = ParallelDims(**layout, world_size=dist.get_world_size())
         pd.build_mesh("cpu")
-        with torch.device("meta"):
-            model = build_model(args, ComputeOptions(attn_backend="sdpa"))
-        parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32))
-        model.to_empty(device="cpu")
-        model.init_buffers()
-        load_full_state_dict(model, state)
+        model = parallel_copy(args, state, pd, ParallelizeOptions(param_dtype=torch.float32), SDPA)
         loss = _step(model, pd, inputs, labels, coef)
         assert_close(loss.float(), ref_loss.detach(), f"{name} {layout_name}: loss")
         grads = {clean_name(n): full(p.grad) for n, p in model.named_parameters()}
@@ -79,7 +75,7 @@ def _lora_on_attention(name):
     hf = hf_moe(name)
     args = args_from_hf_config(hf.config.to_dict())
     lora = LoRAOptions(rank=4, alpha=8.0, targets=resolve_targets("q_proj,k_proj,v_proj,o_proj"))
-    ref = build_model(args, ComputeOptions(attn_backend="sdpa"))
+    ref = build_model(args, SDPA)
     ref.load_state_dict(from_hf(as_saved(hf, hf.state_dict()), args))
     apply_lora(ref, lora, torch.float32)
     init_lora(ref, seed=1)
@@ -96,12 +92,7 @@ def _lora_on_attention(name):
     assert ref_grads and all("lora_" in n for n in ref_grads)  # the base (experts, router) is frozen
     pd = ParallelDims(sp=2, ep=2, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
-    with torch.device("meta"):
-        model = build_model(args, ComputeOptions(attn_backend="sdpa"))
-    parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32, lora=lora))
-    model.to_empty(device="cpu")
-    model.init_buffers()
-    load_full_state_dict(model, state)
+    model = parallel_copy(args, state, pd, ParallelizeOptions(param_dtype=torch.float32, lora=lora), SDPA)
     _step(model, pd, inputs, labels, coef)
     grads = {clean_name(n): full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     assert grads.keys() == ref_grads.keys() and all("lora_" in n for n in grads)  # experts and router frozen
@@ -123,7 +114,7 @@ def _microbatches_and_logged_numbers():
     coef = args.moe.aux_loss_coef
     assert coef > 0
     inputs, labels = make_batch(0, 4, 20, args.vocab_size)
-    ref = build_model(args, ComputeOptions(attn_backend="sdpa"))
+    ref = build_model(args, SDPA)
     ref.load_state_dict(state)
     n = (labels != IGNORE_INDEX).sum()
     lm, aux, counts = 0.0, 0.0, 0.0
@@ -135,12 +126,7 @@ def _microbatches_and_logged_numbers():
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
     pd = ParallelDims(sp=2, ep=2, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
-    with torch.device("meta"):
-        model = build_model(args, ComputeOptions(attn_backend="sdpa"))
-    parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32))
-    model.to_empty(device="cpu")
-    model.init_buffers()
-    load_full_state_dict(model, state)
+    model = parallel_copy(args, state, pd, ParallelizeOptions(param_dtype=torch.float32), SDPA)
     sp, sp_rank = pd.get_mesh("sp").size(), pd.get_mesh("sp").get_local_rank()
     mbs = [shard_batch(i, lab, sp_rank, sp) for i, lab in zip(inputs.chunk(2), labels.chunk(2))]
     step = forward_backward(model, mbs, pd.get_mesh("loss"))

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from dist_utils import run_distributed
-from spec_fixtures import COMMON, SCRIPTS, _train, fx, train_main  # noqa: F401 (fixtures)
+from spec_fixtures import COMMON, SCRIPTS, _train, fx  # noqa: F401 (fixtures)
 from titan_ulysses.interop.hf_export import read_model_record
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.models.extension import extend_context

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from hf_fixtures import make_hf_model, make_tokenizer
-from spec_fixtures import COMMON, ROOT, SCRIPTS, _run, fx, train_main  # noqa: F401 (fixtures)
+from spec_fixtures import COMMON, ROOT, SCRIPTS, _run, fx  # noqa: F401 (fixtures)
 from titan_ulysses.interop.hf_export import read_model_record
 from titan_ulysses.data.tokenizer import ByteTokenizer, build_tokenizer
 from titan_ulysses.interop.hf_config import describe

@@ -152,21 +152,9 @@ def cli(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, _preempted_while_importing)
     code = main(sys.argv[1:] if argv is None else argv)
-    import torch.distributed as dist
+    from titan_ulysses.distributed.setup import leave_job  # here: the heavy imports come after the handlers above
 
-    if dist.is_initialized():
-        if code == 0:
-            # tear down together: a rank that destroys its gloo groups while a peer still talks
-            # to it aborts ("terminate called without an active exception"), seen at the end of
-            # resumed runs under load (as tests/dist_utils.py does for spawned ranks)
-            dist.barrier()
-        dist.destroy_process_group()
-    # Leave without interpreter and C++ static teardown: a gloo thread still joinable there
-    # aborts the process now and then ("terminate called without an active exception",
-    # exit -6) after the run has finished and saved, which torchrun reports as a failure.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave_job(code)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -59,3 +60,20 @@ def build_mesh(config, parallel_dims: ParallelDims, device: torch.device) -> Non
     parallel_dims.build_mesh(device.type)
     if config.comm.mode != "fake":
         set_timeouts(config.comm.init_timeout_seconds)
+
+
+def leave_job(code: int) -> None:
+    """End a command's process: leave the process group together, then exit without interpreter teardown.
+
+    After a success every rank meets at a barrier before destroying its groups: a rank that destroys its
+    gloo groups while a peer still talks to it aborts ("terminate called without an active exception").
+    ``os._exit`` skips interpreter and C++ static teardown, where a still-joinable gloo thread aborts the
+    process now and then (exit -6) after the work is done, which torchrun reports as a failure. Never returns.
+    """
+    if dist.is_initialized():
+        if code == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

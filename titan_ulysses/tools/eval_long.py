@@ -42,7 +42,7 @@ from titan_ulysses.checkpoint.verify import verify_checkpoint
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.data.sources import DataError, list_files, read_rows, text_field, work_items
-from titan_ulysses.distributed.setup import init_distributed
+from titan_ulysses.distributed.setup import init_distributed, leave_job
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.ops.loss import IGNORE_INDEX
 from titan_ulysses.preflight import validate
@@ -267,18 +267,12 @@ def main(argv=None) -> int:
         print("needles: " + "  ".join(f"{k} key(s) {r:.2f} retrieved (answer-token accuracy {t:.2f})"
                                       for k, r, t in zip(nd["keys"], nd["retrieved"], nd["token_accuracy"])))
         print(f"wrote {a.output}.json and {a.output}.png")
-    dist.barrier()  # tear down together (train.py: a rank destroying its gloo groups while a peer talks aborts)
-    dist.destroy_process_group()
-    return 0
+    return 0  # the process group is left by cli (distributed/setup.py's leave_job)
 
 
 def cli() -> None:
     """The installed command (pyproject.toml's [project.scripts]); never returns."""
-    code = main()
-    # as train.py: no interpreter teardown, where a joinable gloo thread aborts the process now and then
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave_job(main())
 
 
 if __name__ == "__main__":

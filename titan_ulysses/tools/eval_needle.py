@@ -41,7 +41,7 @@ from titan_ulysses.checkpoint.verify import verify_checkpoint
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.data.datasets import make_passkey_tokens, random_passkey
 from titan_ulysses.data.sharding import shard_batch
-from titan_ulysses.distributed.setup import init_distributed
+from titan_ulysses.distributed.setup import init_distributed, leave_job
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.ops.loss import IGNORE_INDEX
 from titan_ulysses.preflight import validate
@@ -221,18 +221,12 @@ def main(argv=None) -> int:
         for depth, row in zip(a.depths, result["accuracy"]):
             print(f"{100 * depth:5.0f}% " + " ".join(f"{v:7.2f}" for v in row))
         print(f"wrote {a.output}.json and {a.output}.png")
-    dist.destroy_process_group()
-    return 0
+    return 0  # the process group is left by cli (distributed/setup.py's leave_job)
 
 
 def cli() -> None:
     """The installed command (pyproject.toml's [project.scripts]); never returns."""
-    code = main()
-    # as train.py and eval_long: no interpreter teardown, where a joinable gloo thread aborts the process now and
-    # then ("terminate called without an active exception", exit -6, seen in CI)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave_job(main())
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from titan_ulysses.data.sources import DataError
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.preflight import validate
 from titan_ulysses.run_spec import resolve_run
-from titan_ulysses.distributed.setup import init_distributed
+from titan_ulysses.distributed.setup import init_distributed, leave_job
 
 
 def parse_args(argv):
@@ -104,17 +104,12 @@ def main(argv=None) -> int:
             with open(a.output, "w") as f:
                 json.dump({"checkpoint": a.checkpoint, "prompt": a.prompt, "chat": a.chat, "prompt_ids": ids,
                            "new_ids": new, "text": text}, f, indent=1)
-    dist.barrier()  # tear down together (train.py: a rank destroying its gloo groups while a peer talks aborts)
-    dist.destroy_process_group()
-    return 0
+    return 0  # the process group is left by cli (distributed/setup.py's leave_job)
 
 
 def cli() -> None:
     """The installed command (pyproject.toml's [project.scripts]); never returns."""
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as train.py: no interpreter teardown, where a joinable gloo thread aborts the process now and then
+    leave_job(main())
 
 
 if __name__ == "__main__":
