@@ -87,6 +87,24 @@ def parallel_copy(args, state: dict, parallel_dims: ParallelDims, options: Paral
     return model
 
 
+def parallel_from_hf(folder: str, parallel_dims: ParallelDims, options: ParallelizeOptions):
+    """A Hugging Face folder's model, parallelized over ``parallel_dims`` and loaded by ``load_hf_weights``
+    over parameters first filled with NaN, so a tensor the load misses on any rank shows."""
+    from titan_ulysses.interop.hf_config import load_hf_args
+    from titan_ulysses.interop.hf_weights import load_hf_weights
+
+    with torch.device("meta"):
+        model = build_model(load_hf_args(folder))
+    parallelize_decoder(model, parallel_dims, options)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    with torch.no_grad():  # garbage that the load must overwrite everywhere
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    load_hf_weights(model, folder)
+    return model
+
+
 def make_batch(step: int, global_batch: int, seq_len: int, vocab: int):
     """A deterministic global batch; some labels ignored so ranks hold uneven token counts."""
     g = torch.Generator().manual_seed(1000 + step)

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from dist_utils import assert_close, run_distributed
 from hf_fixtures import VARIANTS, make_hf_model
 from helpers import add_manifest
-from model_harness import make_batch, parallel_step
+from model_harness import make_batch, parallel_from_hf, parallel_step
 from titan_ulysses.interop.hf_weights import load_hf_weights
 from titan_ulysses.interop.hf_adapter import from_hf, halves_to_interleaved, interleaved_to_halves, to_hf
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.models.decoder.model import Transformer
-from titan_ulysses.models.decoder.parallelize import ParallelizeOptions, parallelize_decoder
+from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 from titan_ulysses.interop.hf_config import load_hf_args
 
 pytest.importorskip("transformers")
@@ -61,16 +61,7 @@ def _load_and_compare(folders: dict, dp_shard: int, sp: int) -> None:
     dp, dp_rank = pd.get_mesh("dp").size(), pd.get_mesh("dp").get_local_rank()
     sp_rank = pd.get_mesh("sp").get_local_rank()
     for name, folder in folders.items():
-        args = load_hf_args(folder)
-        with torch.device("meta"):
-            model = Transformer(args)
-        parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32))
-        model.to_empty(device="cpu")
-        model.init_buffers()
-        with torch.no_grad():  # garbage that the load must overwrite everywhere
-            for p in model.parameters():
-                p.fill_(float("nan"))
-        load_hf_weights(model, folder)
+        model = parallel_from_hf(folder, pd, ParallelizeOptions(param_dtype=torch.float32))
         ref = torch.load(os.path.join(os.path.dirname(folder), f"{name}.ref.pt"))
         loss, logits = parallel_step(model, pd, ref["inputs"], ref["labels"])
         expected = ref["logits"].chunk(dp)[dp_rank].chunk(sp, dim=1)[sp_rank]

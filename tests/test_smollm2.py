@@ -31,14 +31,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_utils import assert_close, run_distributed
-from model_harness import clean_name, full, parallel_step
+from model_harness import clean_name, full, parallel_from_hf, parallel_step
 from titan_ulysses.interop.hf_weights import load_hf_weights
 from titan_ulysses.interop.hf_adapter import to_hf
 from titan_ulysses.data.sharding import rank_token_index
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.interop.hf_config import load_hf_args
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
-from titan_ulysses.models.registry import build_model, parallelize_model
+from titan_ulysses.models.registry import build_model
 from titan_ulysses.ops.loss import IGNORE_INDEX
 
 transformers = pytest.importorskip("transformers")
@@ -86,15 +86,7 @@ def _matches(folder: str, ref_path: str, sp: int) -> None:
     pd = ParallelDims(sp=sp, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
     args = load_hf_args(folder)
-    with torch.device("meta"):
-        model = build_model(args)
-    parallelize_model(model, pd, ParallelizeOptions(param_dtype=torch.float32))
-    model.to_empty(device="cpu")
-    model.init_buffers()
-    with torch.no_grad():  # garbage that the load must overwrite everywhere
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    load_hf_weights(model, folder)
+    model = parallel_from_hf(folder, pd, ParallelizeOptions(param_dtype=torch.float32))
     ref = torch.load(ref_path)
     loss, (logits,) = parallel_step(model, pd, ref["inputs"], ref["labels"])
     index = rank_token_index(SEQ, pd.get_mesh("sp").get_local_rank(), sp)
