@@ -1,6 +1,6 @@
 """The package's layers, read from the import statements of its files (function-local imports too):
 ``config/`` is a leaf, nothing inside the packages but the commands (``train.py``, ``tools/``) imports the trainer or the pre-flight module, the
-decoder and its families import nothing distributed, and the memory planner (``planning/``) sits beside the packages a step runs, not under them: it may use them, they
+decoder and its families import nothing distributed, ``distributed/`` nothing of ``models/`` (the contracts sit in ``ops/``), and the memory planner (``planning/``) sits beside the packages a step runs, not under them: it may use them, they
 never use it, and a launch imports it only when a start-up check or the dry run asks for it."""
 
 import ast
@@ -62,6 +62,22 @@ def test_the_decoder_and_the_families_are_not_distributed():
             continue
         dist = {n for n in imported(path) if n.startswith("titan_ulysses.distributed")}
         assert not dist, f"{os.path.relpath(path, ROOT)} imports {sorted(dist)}; parallelism belongs in parallelize.py"
+
+
+DISTRIBUTED_USES_OF_MODELS = {"utils.py": {"titan_ulysses.models.moe.aux_loss",
+                                            "titan_ulysses.models.moe.aux_loss.load_balancing_loss"}}
+"""The one use left: ``forward_backward``'s aux-loss share, which moves to ``step.py`` (above both)."""
+
+
+def test_distributed_imports_nothing_of_the_models():
+    """What ``distributed/`` needs of a model is a contract both import from ``ops/`` (``ops/attention/contracts.py``,
+    ``ops/routed_experts.py``, ``ops/layer_stats.py``): base classes, whose ``isinstance`` answers alike on every
+    Python, never a model's own classes."""
+    assert len(files("distributed")) >= 15
+    for path in files("distributed"):
+        allowed = DISTRIBUTED_USES_OF_MODELS.get(os.path.relpath(path, os.path.join(PACKAGE, "distributed")), set())
+        models = {n for n in imported(path) if n.startswith("titan_ulysses.models")} - allowed
+        assert not models, f"{os.path.relpath(path, ROOT)} imports {sorted(models)}; put the contract in ops/"
 
 
 STEP_TIME = ("config", "models", "distributed", "ops", "data", "checkpoint", "interop", "runs", "metrics", "integrations")

@@ -7,8 +7,8 @@ The compile case traces a staged block with ``fullgraph=True`` against the plain
 The kernel-count case checks what ``ulysses_stage_keep_attention`` is for: kept, the stages run
 the attention kernel as often as plain attention does and hold its outputs between forward and
 backward exactly when plain attention does (never under full AC: no leak). The stages need of an
-attention module only the decoder's declared interface (``HeadAttention``), whatever its projections
-are called.
+attention module only the contract it derives from (``ops/attention/contracts.HeadAttention``),
+whatever its projections are called.
 """
 
 import copy
@@ -26,11 +26,12 @@ from titan_ulysses.distributed.compile import apply_compile
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.staged_attention import apply_head_stages, check_head_stages, stage_plans
 from titan_ulysses.distributed.ulysses import apply_ulysses
-from titan_ulysses.models.decoder.attention import HeadAttention, HeadProjections, apply_rope
+from titan_ulysses.models.decoder.attention import apply_rope
 from titan_ulysses.models.decoder.model import Transformer
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 from titan_ulysses.models.rope import rope_inv_freq
 from titan_ulysses.ops.attention import build_attention
+from titan_ulysses.ops.attention.contracts import HeadAttention, HeadProjections
 
 SEQ_LEN = 13
 
@@ -194,9 +195,9 @@ def test_kept_stages_run_the_kernel_as_plain_attention_does(ac_mode):
         assert_close(other[3], plain[3], "input grad", rtol=1e-4, atol=1e-5)
 
 
-class _RenamedAttention(torch.nn.Module):
-    """An attention module with projections of other names (and an output bias): only the decoder's declared
-    interface (models/decoder/attention.HeadAttention) in common with it."""
+class _RenamedAttention(HeadAttention):
+    """An attention module with projections of other names (and an output bias): only the contract
+    (ops/attention/contracts.HeadAttention) in common with the decoder's."""
 
     def __init__(self, dim=32, heads=4, kv_heads=2, head_dim=8):
         super().__init__()

@@ -37,8 +37,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from titan_ulysses.models.decoder.block import add_stats
 from titan_ulysses.ops.attention import save_ops as attention_save_ops
+from titan_ulysses.ops.layer_stats import add_stats
 from titan_ulysses.ops.tiled import tiled_forward_running
 
 AC_MODES = ("none", "full", "selective", "full_offload")

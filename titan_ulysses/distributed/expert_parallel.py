@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from titan_ulysses.models.moe.experts import GroupedExperts, run_experts
+from titan_ulysses.ops.routed_experts import RoutedExperts
 
 __all__ = ["ExpertParallel", "apply_ep"]
 
@@ -32,9 +32,9 @@ def _local(p: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 class ExpertParallel:
-    """Mixin put in front of a ``GroupedExperts`` class by :func:`apply_ep` (parameter names unchanged,
-    so checkpoints reshard across ep degrees): ``(rows [T*k, D] sorted by global expert, counts [E]) ->
-    rows``, computing this rank's experts only."""
+    """Mixin put in front of a ``RoutedExperts`` class (``ops/routed_experts.py``) by :func:`apply_ep`
+    (parameter names unchanged, so checkpoints reshard across ep degrees): ``(rows [T*k, D] sorted by
+    global expert, counts [E]) -> rows``, computing this rank's experts only through its ``run``."""
 
     ep_group = None
     ep: int = 1
@@ -58,8 +58,8 @@ class ExpertParallel:
         key = torch.arange(local_e, device=x.device)[None, :] * ep + torch.arange(ep, device=x.device)[:, None]
         row_key = torch.repeat_interleave(key.reshape(-1), recv.reshape(-1), output_size=got.shape[0])  # [R]
         order = torch.argsort(row_key, stable=True)  # [R]
-        w = [_local(p, x.dtype) for p in (self.w1, self.w3, self.w2, self.b1, self.b3, self.b2)]
-        out = run_experts(got[order], recv.sum(0), self.args, *w, kernel=self.kernel)  # [R, D] expert-major
+        w = [_local(p, x.dtype) for p in self.expert_weights()]
+        out = self.run(got[order], recv.sum(0), *w)  # [R, D] expert-major
         back = torch.zeros_like(out).index_copy(0, order, out)  # [R, D] source-major again
         return funcol.all_to_all_single_autograd(back, in_splits, out_splits, self.ep_group)  # [T*k, D]
 
@@ -74,9 +74,9 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> int:
     send rows there. Run before FSDP. Returns how many layers it changed."""
     ep, n = ep_mesh.size(), 0
     for experts in model.modules():
-        if not isinstance(experts, GroupedExperts) or isinstance(experts, ExpertParallel):
+        if not isinstance(experts, RoutedExperts) or isinstance(experts, ExpertParallel):
             continue
-        total = experts.args.num_experts
+        total = experts.num_experts
         if total % ep:
             raise ValueError(f"parallelism.expert_parallel_degree {ep} does not divide the {total} experts; "
                              f"use a divisor of {total}")

@@ -26,7 +26,7 @@ one process (no exchange): the same memory saving on a single GPU.
 
 Nothing here changes parameter names: the attention module's class is swapped for a
 subclass whose ``forward`` runs the stages over the module's own projections. What it uses of
-the module is the decoder's declared interface, ``models/decoder/attention.HeadAttention``
+the module is the contract its class derives from, ``ops/attention/contracts.HeadAttention``
 (its projections, ``prepare_qk``, ``inner_attention``, ``attention_kwargs``, ``head_dim``).
 """
 
@@ -44,7 +44,7 @@ from titan_ulysses.distributed.heads import HeadPlan, head_plan, is_even
 from titan_ulysses.distributed.stage_keep import compiled_stage_contexts, stage_contexts
 from titan_ulysses.distributed.ulysses import UlyssesAttention, head_to_seq, head_to_seq_uneven, seq_to_head, \
     seq_to_head_uneven
-from titan_ulysses.models.decoder.attention import HeadAttention
+from titan_ulysses.ops.attention.contracts import HeadAttention
 
 __all__ = ["StagePlan", "apply_head_stages", "check_head_stages", "stage_plans"]
 
@@ -238,6 +238,6 @@ def apply_head_stages(model: nn.Module, stages: int, keep_attention: bool = True
             module.stage_keep_attention = keep_attention
             staged += 1
     if staged == 0:
-        raise ValueError("parallelism.ulysses_head_stages found no attention module (models/decoder/attention."
-                         "HeadAttention) to stage in the model")
+        raise ValueError("parallelism.ulysses_head_stages found no attention module deriving from ops/attention/"
+                         "contracts.HeadAttention to stage in the model; use ulysses_head_stages = 1")
     return staged

@@ -1,14 +1,13 @@
 """The decoder's attention: q/k/v projections, per-head q/k norms, RoPE, a swappable ``inner_attention``, out.
 
-Code outside the decoder relies on :class:`HeadAttention` alone (``distributed/staged_attention.py``
-recomputes the layer head group by head group through it); Ulysses and cp swap ``inner_attention``.
+It derives from ``ops/attention/contracts.HeadAttention``, all that code outside the decoder relies
+on (``distributed/staged_attention.py`` recomputes the layer head group by head group through it);
+Ulysses and cp swap ``inner_attention``.
 Shapes: B batch, S the local sequence length (S_total / sp under Ulysses), H heads (local
 to a tensor-parallel rank), Dh head dim, D model dim.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -17,6 +16,7 @@ from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.decoder.norm import RMSNorm
 from titan_ulysses.ops.attention import build_attention
+from titan_ulysses.ops.attention.contracts import HeadAttention, HeadProjections
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -33,35 +33,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
-class HeadProjections(NamedTuple):
-    """An attention layer's projections: q, k, v (output rows grouped by head) and o (input columns by head)."""
-
-    q: nn.Module
-    k: nn.Module
-    v: nn.Module
-    o: nn.Module
-
-
-@runtime_checkable
-class HeadAttention(Protocol):
-    """The declared interface of the decoder's attention module. Its forward is, for ``x: [B, S, D]``::
-
-        q, k, v = (p(x).view(B, S, -1, head_dim) for p in projections()[:3])
-        q, k = prepare_qk(q, k, rope)
-        out = inner_attention(q, k, v, attention_mask, **attention_kwargs)  # [B, S, Hq, Dh]
-        return projections().o(out.reshape(B, S, -1))
-    """
-
-    head_dim: int
-    inner_attention: nn.Module
-    attention_kwargs: dict
-
-    def projections(self) -> HeadProjections: ...
-
-    def prepare_qk(self, q: torch.Tensor, k: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-class Attention(nn.Module):
+class Attention(HeadAttention):
     def __init__(self, args: DecoderArgs, compute: ComputeOptions, layer_type: str = "full_attention",
                  norm_offset: float = 0.0):
         super().__init__()

@@ -53,11 +53,3 @@ def each_block(layers: nn.ModuleDict):
     """The units forward runs in turn, each ``(h [B, S, D], rope, attention_mask) -> h`` or ``(h, stats)``
     (a feed-forward's, ``feed_forward.py``): every block."""
     return layers.values()
-
-
-def add_stats(total, out):
-    """A unit's output -> ``(h, total + its stats)`` (``total`` None until a unit has stats)."""
-    if not isinstance(out, tuple):
-        return out, total
-    h, stats = out
-    return h, stats if total is None else total + stats

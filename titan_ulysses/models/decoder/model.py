@@ -21,10 +21,11 @@ from torch import nn
 
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.args import DecoderArgs
-from titan_ulysses.models.decoder.block import TransformerBlock, add_stats, each_block
+from titan_ulysses.models.decoder.block import TransformerBlock, each_block
 from titan_ulysses.models.decoder.norm import RMSNorm
 from titan_ulysses.models.decoder.spec import DecoderSpec
 from titan_ulysses.models.rope import rope_frequencies
+from titan_ulysses.ops.layer_stats import add_stats
 from titan_ulysses.ops.loss import cross_entropy_sum, linear_cross_entropy_sum
 
 

@@ -13,13 +13,14 @@ from torch import nn
 
 from titan_ulysses.models.moe.args import MoEArgs
 from titan_ulysses.ops.grouped_mm import grouped_mm
+from titan_ulysses.ops.routed_experts import RoutedExperts
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(RoutedExperts):
     def __init__(self, dim: int, args: MoEArgs, num_experts: int | None = None):
         super().__init__()
         e, f = num_experts or args.num_experts, args.hidden_dim
-        self.args = args
+        self.args, self.num_experts = args, e
         self.w1 = nn.Parameter(torch.empty(e, dim, f))
         self.w3 = nn.Parameter(torch.empty(e, dim, f))
         self.w2 = nn.Parameter(torch.empty(e, f, dim))
@@ -29,9 +30,12 @@ class GroupedExperts(nn.Module):
             self.b1 = self.b3 = self.b2 = None
         self.kernel: bool | None = None  # None: the grouped kernel where available (ops/grouped_mm.py)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def expert_weights(self):
+        return self.w1, self.w3, self.w2, self.b1, self.b3, self.b2
+
+    def run(self, x: torch.Tensor, counts: torch.Tensor, *weights) -> torch.Tensor:
         """``x`` [T', D] rows grouped by expert in expert order, ``counts`` [E_local] -> [T', D]."""
-        return run_experts(x, counts, self.args, self.w1, self.w3, self.w2, self.b1, self.b3, self.b2, self.kernel)
+        return run_experts(x, counts, self.args, *weights, kernel=self.kernel)
 
 
 def run_experts(x, counts, args: MoEArgs, w1, w3, w2, b1=None, b3=None, b2=None, kernel=None) -> torch.Tensor:
