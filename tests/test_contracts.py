@@ -25,7 +25,6 @@ from titan_ulysses.ops.routed_experts import RoutedExperts
 CONTRACTS = {HeadAttention: Attention, RoutedExperts: GroupedExperts}
 
 
-@pytest.mark.smoke
 @pytest.mark.parametrize("contract", list(CONTRACTS), ids=lambda c: c.__name__)
 def test_isinstance_answers_from_the_class_alone(contract):
     implementation = CONTRACTS[contract]
@@ -36,7 +35,6 @@ def test_isinstance_answers_from_the_class_alone(contract):
     assert not isinstance(object.__new__(torch.nn.Linear), contract)
 
 
-@pytest.mark.smoke
 def test_the_decoder_modules_are_recognised_with_their_submodules_kept_in_modules():
     """What a 3.12 member lookup sees (``inspect.getattr_static``) misses ``inner_attention``: the
     decoder's attention is staged all the same, because the answer comes from its class."""
