@@ -15,6 +15,7 @@ from titan_ulysses.preflight import validate
 BASE = dict(model_type="llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2,
             intermediate_size=128, vocab_size=320, max_position_embeddings=4096)
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+QWEN_MOE = dict(model_type="qwen3_moe", head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def _folder(tmp_path, **cfg):
@@ -54,9 +55,22 @@ def _folder(tmp_path, **cfg):
     ({"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 3,
                                              "long_factor": [1.0] * 3}},
      "rope_scaling.short_factor", "has 3 entries; longrope needs one per rotary frequency, 4"),
+    # mixtures of experts (issue 38): each passed --dry-run, then broke at the first step (or even in the dry run)
+    ({**QWEN_MOE, "num_experts_per_tok": 0}, "num_experts_per_tok", "must be positive, got 0"),
+    ({**QWEN_MOE, "num_experts_per_tok": 9}, "num_experts_per_tok", "9 must lie in [1, 8] (experts each token goes "
+                                                                    "to, of num_experts 8)"),
+    ({"model_type": "mixtral", "num_experts_per_tok": 9}, "num_experts_per_tok", "of 8 experts, the family's"),
+    ({"model_type": "mixtral", "num_experts_per_tok": -1}, "num_experts_per_tok", "must be positive, got -1"),
+    ({"model_type": "mixtral", "num_local_experts": 0}, "num_local_experts", "0: a mixture of experts needs at least"),
+    ({"model_type": "mixtral", "num_local_experts": -8}, "num_local_experts", "must be >= 0, got -8"),
+    ({**QWEN_MOE, "num_experts_per_tok": None}, "num_experts_per_tok", "is missing; model_type 'qwen3_moe' needs it"),
+    ({**QWEN_MOE, "moe_intermediate_size": None}, "moe_intermediate_size", "is missing"),
+    ({**QWEN_MOE, "decoder_sparse_step": 0}, "decoder_sparse_step", "must be positive"),
+    ({**QWEN_MOE, "output_router_logits": True, "router_aux_loss_coef": 1e30}, "router_aux_loss_coef",
+     "must lie in [0, 1], got 1e+30"),
 ])
 def test_an_impossible_number_is_refused_naming_file_and_field(tmp_path, cfg, field, message):
-    folder = _folder(tmp_path, **cfg)
+    folder = _folder(tmp_path, **{k: v for k, v in cfg.items() if v is not None})  # None: the key is absent
     with pytest.raises(HFConfigError) as e:
         load_hf_args(folder)
     line = str(e.value)

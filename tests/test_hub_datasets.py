@@ -14,7 +14,7 @@ from titan_ulysses.config.manager import ConfigError, check_requirements, load_c
 from titan_ulysses.interop import hf_datasets
 from titan_ulysses.data.build import build_dataset, check_dataset_files, data_settings, open_store
 from titan_ulysses.interop.hf_datasets import training_dataset_path
-from titan_ulysses.data.sources import DataError
+from titan_ulysses.data.sources import DataError, read_rows, text_field
 from titan_ulysses.data.tokenizer import resolve_tokenizer
 
 datasets = pytest.importorskip("datasets")
@@ -40,11 +40,13 @@ def corpus(tmp_path, monkeypatch):
     out = {"text_jsonl": _jsonl(tmp_path / "text.jsonl", text_rows),
            "sft_jsonl": _jsonl(tmp_path / "sft.jsonl", [{"messages": c} for c in CHATS])}
     datasets.Dataset.from_list([{"body": t, "id": i} for i, t in enumerate(TEXTS)]).save_to_disk(str(tmp_path / "saved"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"conv": c} for c in CHATS])}).save_to_disk(
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"conv": c, "n": 1} for c in CHATS])}).save_to_disk(
         str(tmp_path / "saved_sft"))
+    datasets.Dataset.from_dict({"text": []}).save_to_disk(str(tmp_path / "saved_empty"))
     os.makedirs(tmp_path / "files")
     _jsonl(tmp_path / "files" / "part.jsonl", text_rows)
-    out.update(saved=str(tmp_path / "saved"), saved_sft=str(tmp_path / "saved_sft"), files=str(tmp_path / "files"))
+    out.update(saved=str(tmp_path / "saved"), saved_sft=str(tmp_path / "saved_sft"), files=str(tmp_path / "files"),
+               empty=str(tmp_path / "saved_empty"))
     yield out
     hf_datasets.open_dataset.cache_clear()
 
@@ -115,6 +117,10 @@ def test_data_refusals_name_the_setting_in_one_line(corpus, tmp_path):
     cases = [(f"hf:{corpus['saved']}?column=nope", "no column 'nope' (columns: ['body', 'id'])"),
              (f"hf:{corpus['saved_sft']}?split=test", "no split 'test' (splits: ['train'])"),
              (f"hf:{corpus['saved']}?streaming=true", "streaming is not supported"),
+             # issue 38: a split the dataset does not have was ignored (rows labelled [test]); an empty dataset read
+             # "IndexError: list index out of range"
+             (f"hf:{corpus['saved']}?split=test", "holds one Dataset, without splits; drop split=test"),
+             (f"hf:{corpus['empty']}", f"an empty dataset: {corpus['empty']} holds no rows"),
              (f"hf:{corpus['saved']}?colum=body", "unknown option 'colum'"),
              ("hf:", "no dataset name"),
              (f"hf:{tmp_path}/missing", "the datasets library cannot load it")]
@@ -125,6 +131,22 @@ def test_data_refusals_name_the_setting_in_one_line(corpus, tmp_path):
         message = str(e.value)
         assert message.startswith(f"training.dataset_path {path!r}") and expected in message, message
         assert "\n" not in message, message
+
+
+def test_a_column_of_neither_text_nor_messages_is_refused_naming_what_works(corpus, tmp_path):
+    """Its rows became {"messages": 1}, and the refusal suggested dataset 'sft', which failed next (issue 38)."""
+    path = f"hf:{corpus['saved_sft']}?column=n"
+    items, _ = hf_datasets.hf_items(path, "training.dataset_path")
+    with pytest.raises(DataError) as e:
+        next(read_rows(items[0]))
+    assert str(e.value) == (f"{corpus['saved_sft']} [train] row 1: column 'n' is a int; it must hold text (a string, "
+                            f"for dataset 'text') or chat messages (a list, for 'sft'): set column to one that does "
+                            f"(columns: ['conv', 'n'])")
+    where, _ = next(read_rows(hf_datasets.hf_items(f"hf:{corpus['saved']}", "training.dataset_path")[0][0]))
+    assert where == f"{corpus['saved']} row 1"  # a Dataset without splits is labelled without one
+    with pytest.raises(DataError) as e:  # a .jsonl's "messages" that are not a list: no 'sft' hint either
+        text_field("rows.jsonl line 1", {"messages": 1})
+    assert "sft" not in str(e.value)
 
 
 @pytest.mark.slow

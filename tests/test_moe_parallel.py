@@ -144,3 +144,24 @@ def _microbatches_and_logged_numbers():
 
 def test_microbatches_average_the_aux_loss_and_the_step_reports_it():
     run_distributed(_microbatches_and_logged_numbers, 2)
+
+
+def test_ep_groups_are_the_innermost_ranks_and_the_experts_fsdp_groups_the_stride_across_them():
+    """dp_shard2 x sp2 x ep2 on four ranks: ep borrows the innermost ranks of dp_shard x cp x sp (ep groups
+    {0,1} {2,3}, an sp=8 x ep=8 job on one node) and FSDP shards the experts over the complement ({0,2} {1,3}).
+    The group rank lists of the meshes parallelize uses (``ep``, ``ep_fsdp``) are checked rank by rank on the fake
+    process group: a swapped stride gives the same numbers in every layout test above."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world, ep = 4, 2
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            pd = ParallelDims(dp_shard=2, sp=2, ep=ep, world_size=world)
+            pd.build_mesh("cpu")
+            groups = {name: dist.get_process_group_ranks(pd.get_mesh(name).get_group()) for name in ("ep", "ep_fsdp")}
+        finally:
+            dist.destroy_process_group()
+        first = rank - rank % ep  # the ep ranks are consecutive: ep is innermost
+        assert groups["ep"] == list(range(first, first + ep)), (rank, groups)
+        assert groups["ep_fsdp"] == list(range(rank % ep, world, ep)), (rank, groups)

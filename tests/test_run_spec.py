@@ -157,3 +157,21 @@ def test_resume_changes_sort_what_the_model_computes_from_how_it_runs():
                     "compile.enable False -> True")
     older = {k: v for k, v in saved.items() if not k.startswith(("model.", "parallelism.", "compile."))}
     assert resume_changes(older, resume_settings(config)).startswith("the layout changes activation_checkpoint.mode")
+
+
+def test_the_advice_for_another_lora_rank_works(fx, tmp_path):
+    """A new run from a LoRA checkpoint at another rank (the advice of the resume refusal) was a traceback; now it is
+    refused before any process group, and the merged model it names starts that run (issue 38 item 3)."""
+    sys.path.insert(0, SCRIPTS)
+    import export_hf
+
+    from titan_ulysses.preflight import check_launch
+
+    base = [*COMMON, "--job.dump_folder", str(tmp_path / "run"), "--lora.rank", "8"]
+    with pytest.raises(ConfigError, match=f"lora.rank 8 cannot hold rank-4 adapters: .* titan-export --checkpoint "
+                                          f"{fx['lora']} --output DIR, then --model.hf_assets_path DIR without"):
+        check_launch(load_config([*base, "--checkpoint.initial_load_path", fx["lora"]]))
+    merged = str(tmp_path / "merged")
+    assert export_hf.main(["--checkpoint", fx["lora"], "--output", merged]) == 0
+    spec = check_launch(load_config([*base, "--model.hf_assets_path", merged]))[1]
+    assert (spec.weights.kind, spec.args, spec.tokenizer) == ("hf", load_hf_args(fx["hf"]), "hf")

@@ -15,7 +15,9 @@ The rule (docs/run_spec.md), in one place:
 3. What was recorded wins unless the user overrides it. The config's RoPE settings are 0 / "" ("keep
    the model's") unless given, so a default never erases a recorded scaling; a RoPE setting given
    (``model.rope_theta``, ``model.rope_scaling_factor``: context extension of a checkpoint) is an
-   override, and one that changes a recorded value is named on the start-up line (``RunSpec.overrides``).
+   override, and one that changes a recorded value is named on the start-up line (``RunSpec.overrides``);
+   so are another lora.alpha over a LoRA start and another tokenizer than the record's. A LoRA start's rank
+   and targets are the run's or refused (its adapters would be dropped or not fit).
    A resume is the same run going on: there a changed model setting is refused unless
    ``checkpoint.override_recorded`` lists it, and named when it does (``config/resume.py``).
 4. The tokenizer: ``model.tokenizer``; unset, the folder's tokenizer.json when it has one, else the
@@ -31,10 +33,11 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from titan_ulysses.interop.hf_export import ASSETS, read_model_record, record_hint
+from titan_ulysses.interop.hf_export import ASSETS, read_data_settings, read_model_record, record_hint
+from titan_ulysses.interop.peft_export import read_lora_record
 from titan_ulysses.interop.hub import resolve_hf_assets
 from titan_ulysses.checkpoint.weight_source import WeightSource, fresh_source
-from titan_ulysses.config.job_config import JobConfig
+from titan_ulysses.config.job_config import JobConfig, parse_lora_targets
 from titan_ulysses.config.manager import ConfigError
 from titan_ulysses.config.resume import overrides as override_list
 from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer, tokenizer_source
@@ -92,19 +95,25 @@ def _is_checkpoint(path: str) -> bool:
     return bool(path) and os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def _recorded_changes(recorded: DecoderArgs, config: JobConfig, max_positions: int) -> dict[str, tuple]:
-    """{setting: (recorded, new)} for each config RoPE setting that would change the recorded arguments."""
-    m, out = config.model, {}
-    if m.rope_theta > 0 and m.rope_theta != recorded.rope_theta:
-        out["model.rope_theta"] = (recorded.rope_theta, m.rope_theta)
-    scaled = apply_model_settings(recorded, dataclasses.replace(m, rope_theta=0.0, router_aux_loss_coef=-1),
-                                  max_positions)
-    if scaled.rope_scaling != recorded.rope_scaling:
-        out["model.rope_scaling_factor"] = (_rope(recorded.rope_scaling), _rope(scaled.rope_scaling))
-    coef = m.router_aux_loss_coef
-    if coef != -1 and recorded.moe is not None and coef != recorded.moe.aux_loss_coef:
-        out["model.router_aux_loss_coef"] = (recorded.moe.aux_loss_coef, m.router_aux_loss_coef)
-    return out
+_SCALING = ("rope_scaling_factor", "rope_scaling_type", "rope_original_max_position_embeddings")
+
+
+def _recorded_changes(recorded: DecoderArgs, config: JobConfig, max_positions: int,
+                      start: str) -> tuple[DecoderArgs, dict[str, tuple]]:
+    """The recorded arguments with the config's model settings applied, and {setting: (recorded, new)} for
+    each one given that changes them (the RoPE scaling keyed by the settings given: type or length alone
+    re-scale at the recorded factor)."""
+    m = config.model
+    args = apply_model_settings(recorded, m, max_positions, f"the record of {start}")
+    out = {}
+    if args.rope_theta != recorded.rope_theta:
+        out["model.rope_theta"] = (recorded.rope_theta, args.rope_theta)
+    if args.rope_scaling != recorded.rope_scaling:
+        given = ",".join(f"model.{f}" for f in _SCALING if getattr(m, f))
+        out[given] = (_rope(recorded.rope_scaling), _rope(args.rope_scaling))
+    if recorded.moe is not None and args.moe.aux_loss_coef != recorded.moe.aux_loss_coef:
+        out["model.router_aux_loss_coef"] = (recorded.moe.aux_loss_coef, args.moe.aux_loss_coef)
+    return args, out
 
 
 def _rope(scaling) -> str:
@@ -135,13 +144,7 @@ def _model(config: JobConfig, start: str) -> tuple[DecoderArgs, str, str, bool, 
     _same_model(config, folder, recorded, start)
     # the length the model was trained at: its config.json's, else its flavor's (models/flavors.py)
     max_positions = (hf_config or {}).get("max_position_embeddings", 0) if hf_config else TRAINED_SEQ_LEN.get(m.flavor, 0)
-    changes = _recorded_changes(recorded, config, max_positions)
-    args = recorded
-    if changes:
-        keep = {"model.rope_theta": ("rope_theta", 0.0), "model.rope_scaling_factor": ("rope_scaling_factor", 0.0),
-                "model.router_aux_loss_coef": ("router_aux_loss_coef", -1)}  # the setting's "the model's" value
-        only = dataclasses.replace(m, **{f: unset for k, (f, unset) in keep.items() if k not in changes})
-        args = apply_model_settings(recorded, only, max_positions, f"the record of {start}")
+    args, changes = _recorded_changes(recorded, config, max_positions, start)
     named = tuple(f"{k} {old} -> {new} (the config's; {start} recorded {old})" for k, (old, new) in changes.items())
     own = _named_model(config, folder)  # the config's model alone, its settings applied where they can be
     try:
@@ -177,6 +180,53 @@ def _same_model(config: JobConfig, folder: str, recorded: DecoderArgs, start: st
                           f"({', '.join(differ)} differ){record_hint(start)}")
 
 
+def merged_advice(checkpoint: str) -> str:
+    """How to start a run with other adapters (or none) from a LoRA checkpoint: from its merged model."""
+    return (f"or start from its merged model: titan-export --checkpoint {checkpoint} --output DIR, then "
+            f"--model.hf_assets_path DIR without checkpoint.initial_load_path")
+
+
+def _lora_changes(config: JobConfig, start: str) -> tuple[str, ...]:
+    """A new run from LoRA checkpoint ``start`` continues its adapters: another rank, other targets or none
+    (which would drop them, or not fit them) is a one-line refusal; another alpha or dropout is named."""
+    record = read_lora_record(start) if _is_checkpoint(start) else None
+    if record is None:
+        return ()  # a base without adapters: any [lora] settings start from it
+    lora, targets = config.lora, parse_lora_targets(",".join(record["target_modules"]))
+    recorded = f"lora.rank {record['r']}, lora.target_modules {','.join(targets)}"
+    try:
+        mine = parse_lora_targets(lora.target_modules) if lora.rank else ()
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if lora.rank == 0 or lora.rank != record["r"] or mine != targets:
+        what = ("lora.rank 0 would drop them" if lora.rank == 0 else
+                f"lora.rank {lora.rank} cannot hold rank-{record['r']} adapters" if lora.rank != record["r"] else
+                f"lora.target_modules {','.join(mine)} would drop {len(set(targets) - set(mine))} of its "
+                f"{len(targets)} trained adapters" + (f" and add {','.join(t for t in mine if t not in targets)}"
+                                                      if set(mine) - set(targets) else ""))
+        raise ConfigError(f"checkpoint.initial_load_path {start} holds LoRA adapters ({recorded}); this run's "
+                          f"{what}: set those [lora] settings to train them further, {merged_advice(start)}")
+    changed = [(f"lora.{k}", record[r], getattr(lora, k))
+               for k, r in (("alpha", "lora_alpha"), ("dropout", "lora_dropout")) if getattr(lora, k) != record[r]]
+    return tuple(f"{k} {old} -> {new} (the config's; {start} recorded {old})" for k, old, new in changed)
+
+
+def _tokenizer_change(record: str, spec_kind: str, path: str, tok) -> tuple[str, ...]:
+    """Another tokenizer than the one the record's run was trained with (its data settings): named."""
+    try:
+        settings = read_data_settings(record)
+    except (OSError, ValueError, RuntimeError):
+        settings = None
+    if not settings or "tokenizer" not in settings:
+        return ()
+    kind, content = settings["tokenizer"], settings.get("tokenizer_content")
+    if kind == spec_kind and content in (None, tok.fingerprint):
+        return ()
+    what = kind if kind != spec_kind else f"another {kind} tokenizer"
+    mine = f"{spec_kind} {path}" if path else spec_kind
+    return (f"model.tokenizer {mine} (the config's; {record} was trained with {what})",)
+
+
 def check_vocab(args: DecoderArgs, kind: str, vocab: int, pretrained: bool, source: str) -> None:
     """The tokenizer fits the model's vocabulary (``source``: the setting the model comes from): a
     one-line ConfigError naming the settings otherwise."""
@@ -193,9 +243,12 @@ def resolve_run(config: JobConfig, start: str | None = None, tokenizer: bool = T
     ``checkpoint.initial_load_path``; a tool passes the checkpoint it evaluates or exports);
     ``tokenizer`` False leaves the tokenizer unread (tools run where its file is absent). Sets
     ``config.model.hf_assets_path`` and ``model.tokenizer`` to what it resolved. ConfigError otherwise."""
+    of_run = start is None  # the run's own start checkpoint, not one a tool reads
     start = config.checkpoint.initial_load_path if start is None else start
     override_list(config)  # a name that is not a recorded setting is refused, record or not
     args, source, record, pretrained, named, notes = _model(config, start)
+    if of_run:
+        named += _lora_changes(config, start)
     m = config.model
     kind, path, _ = tokenizer_source(m)
     weights = fresh_source(config)
@@ -210,6 +263,8 @@ def resolve_run(config: JobConfig, start: str | None = None, tokenizer: bool = T
         where = (f"the record of {record}" if record else "model.hf_assets_path" if m.hf_assets_path
                  else f"model.flavor {m.flavor!r}")
         check_vocab(args, kind, vocab, pretrained, where)
+        if record:
+            named += _tokenizer_change(record, kind, path, tok)
     m.tokenizer = kind
     t = config.training
     return RunSpec(args=args, source=source, hf_folder=m.hf_assets_path, record=record, tokenizer=kind,

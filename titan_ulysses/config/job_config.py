@@ -62,7 +62,7 @@ class Model:
     router_aux_loss_coef: float = -1.0
     """Mixtures of experts: weight of the router's load-balancing loss in the training loss. -1: the
     model's config.json (router_aux_loss_coef when output_router_logits is true, else 0, as
-    transformers trains it; most released configs say false); 0: off; > 0 sets it (Qwen3-MoE and
+    transformers trains it; most released configs say false); 0: off; up to 1 sets it (Qwen3-MoE and
     Mixtral ship 0.001 and 0.02). Logged as aux_loss either way."""
     loss_chunk_size: int = 0
     """Tokens per chunk of output projection + loss (0: all logits at once)."""

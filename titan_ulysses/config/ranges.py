@@ -24,7 +24,7 @@ RANGES: dict[str, tuple] = {
     "model.rope_theta": (0, None, True, False),  # 0 keeps the flavor's
     "model.rope_scaling_factor": (0, None, True, False),
     "model.rope_original_max_position_embeddings": (0, None, True, False),
-    "model.router_aux_loss_coef": (-1, None, True, False),  # -1 keeps config.json's; (-1, 0) refused in resolve
+    "model.router_aux_loss_coef": (-1, 1, True, True),  # -1: config.json's; (-1, 0) refused in resolve; <= 1 as there
     "model.loss_chunk_size": (0, None, True, False),
     "model.mlp_tile_size": (0, None, True, False),
     "training.passkey_digits": (1, 9, True, True),

@@ -37,6 +37,8 @@ LAYOUT_SETTINGS = (
     "model.loss_chunk_size", "model.mlp_tile_size",
 )
 SAVED_SETTINGS = RESUME_SETTINGS + MODEL_SETTINGS + LAYOUT_SETTINGS
+# a checkpoint's adapters have its rank's shapes and its targets' names: no override can load them into others
+FIXED_SETTINGS = ("lora.rank", "lora.target_modules")
 
 
 def _value(config: JobConfig, key: str):
@@ -50,12 +52,21 @@ def resume_settings(config: JobConfig) -> dict:
 
 
 def overrides(config: JobConfig) -> tuple[str, ...]:
-    """``checkpoint.override_recorded`` as setting names; a name that is not a setting a record holds is refused."""
+    """``checkpoint.override_recorded`` as setting names; a name that is not a setting a record holds, or one
+    no override can change (``FIXED_SETTINGS``), is refused."""
     names = tuple(n.strip() for n in config.checkpoint.override_recorded.split(",") if n.strip())
     unknown = [n for n in names if n not in MODEL_SETTINGS]
     if unknown:
+        allowed = ", ".join(k for k in MODEL_SETTINGS if k not in FIXED_SETTINGS)
         raise ConfigError(f"checkpoint.override_recorded names {', '.join(map(repr, unknown))}, which no record "
-                          f"holds; it lists settings of: {', '.join(MODEL_SETTINGS)}")
+                          f"holds; it lists settings of: {allowed}")
+    fixed = [n for n in names if n in FIXED_SETTINGS]
+    if fixed:
+        raise ConfigError(f"checkpoint.override_recorded names {fixed[0]}, which no override can change (a "
+                          f"checkpoint's LoRA adapters have its lora.rank's shapes and its lora.target_modules' "
+                          f"names): resume with its [lora] settings, or start a new run (another job.dump_folder) "
+                          f"from its merged model (titan-export --checkpoint STEP --output DIR, then "
+                          f"--model.hf_assets_path DIR)")
     return names
 
 

@@ -150,7 +150,7 @@ def text_field(where, row, field: str = "text") -> str:
     value = row.get(field)
     if not isinstance(value, str):
         found = "missing" if field not in row else kind_of(value)
-        sft = field not in row and ("messages" in row or {"prompt", "completion"} <= set(row))
+        sft = field not in row and (isinstance(row.get("messages"), list) or {"prompt", "completion"} <= set(row))
         hint = "; these are SFT rows: set the dataset of this file (training. or validation.dataset) to 'sft'" \
             if sft else ""
         raise DataError(f"{where}: field {field!r} is {found}; every row needs a string {field!r} "

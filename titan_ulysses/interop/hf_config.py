@@ -13,7 +13,7 @@ import json
 import os
 
 from titan_ulysses.models.decoder.args import DecoderArgs
-from titan_ulysses.interop.hf_ranges import check_hf_ranges, check_rope_lengths
+from titan_ulysses.interop.hf_ranges import check_hf_ranges, check_moe_fields, check_rope_lengths
 from titan_ulysses.models.registry import HFConfigError, get_family
 
 __all__ = ["HFConfigError", "args_from_hf_config", "describe", "load_hf_args", "read_hf_config"]
@@ -68,8 +68,13 @@ def args_from_hf_config(cfg: dict, where: str = "config.json", **overrides) -> D
     (a number out of range also names ``where``, the file: ``interop/hf_ranges.py``)."""
     _refuse_unsupported(cfg)
     check_hf_ranges(cfg, where)
-    args = get_family(cfg.get("model_type")).args_from_config(cfg)
+    family = get_family(cfg.get("model_type"))
+    try:
+        args = family.args_from_config(cfg)
+    except KeyError as e:  # a field the family has no default for (num_experts_per_tok, moe_intermediate_size)
+        raise HFConfigError(f"{where}: {e.args[0]} is missing; model_type {cfg.get('model_type')!r} needs it") from e
     check_rope_lengths(cfg, args.rotary_dim, where)
+    check_moe_fields(getattr(args, "moe", None), cfg, where)
     try:
         return dataclasses.replace(args, **overrides)
     except (TypeError, ValueError) as e:

@@ -15,7 +15,7 @@ import functools
 import os
 from urllib.parse import parse_qsl, urlencode
 
-from titan_ulysses.data.sources import DataError, WorkItem
+from titan_ulysses.data.sources import DataError, WorkItem, kind_of
 
 PREFIX = "hf:"
 ROWS_PER_ITEM = 4096
@@ -50,8 +50,26 @@ def parse(path: str, key: str) -> tuple[str, dict]:
     if not name or unknown:
         what = f"unknown option {unknown[0]!r}" if unknown else "no dataset name"
         raise DataError(f"{key} {path!r}: {what}; write hf:NAME or hf:NAME?config=C&split=S&column=F")
-    return name, {"config": options.get("config", ""), "split": options.get("split") or "train",
+    return name, {"config": options.get("config", ""), "split": options.get("split", ""),  # "": the default
                   "column": options.get("column", "")}
+
+
+def _saved(name: str) -> bool:
+    return os.path.isdir(name) and any(os.path.isfile(os.path.join(name, f)) for f in _SAVED)
+
+
+def split_of(name: str, options: dict) -> str:
+    """The split the rows come from: the one asked for, else "train"; "" for a saved Dataset, which has none."""
+    if _saved(name) and not os.path.isfile(os.path.join(name, "dataset_dict.json")):
+        return ""
+    return options["split"] or "train"
+
+
+def _no_rows(folder: str) -> bool:
+    """A local folder whose data files (not the datasets library's json records, not our caches) are all empty."""
+    sizes = [os.path.getsize(os.path.join(d, f)) for d, dirs, files in os.walk(folder)
+             for f in files if f not in _SAVED and not d[len(folder):].startswith(f"{os.sep}.")]
+    return not any(sizes)
 
 
 @functools.lru_cache(maxsize=8)
@@ -63,21 +81,26 @@ def open_dataset(path: str, key: str):
     except ImportError as e:
         raise DataError(f"{key} {path!r} needs the datasets library: pip install 'titan_ulysses[hub]' "
                         f"(or pip install datasets)") from e
-    saved = os.path.isdir(name) and any(os.path.isfile(os.path.join(name, f)) for f in _SAVED)
+    saved = _saved(name)
     try:
         if saved:
             if o["config"]:
                 raise DataError(f"{key} {path!r}: a save_to_disk folder has no configurations; drop config")
             ds = datasets.load_from_disk(name)
             if isinstance(ds, datasets.DatasetDict):
-                if o["split"] not in ds:
-                    raise DataError(f"{key} {path!r}: no split {o['split']!r} (splits: {sorted(ds)})")
-                ds = ds[o["split"]]
+                if (o["split"] or "train") not in ds:
+                    raise DataError(f"{key} {path!r}: no split {o['split'] or 'train'!r} (splits: {sorted(ds)})")
+                ds = ds[o["split"] or "train"]
+            elif o["split"]:  # one Dataset: its rows would be read whatever split says
+                raise DataError(f"{key} {path!r}: this save_to_disk folder holds one Dataset, without splits; "
+                                f"drop split={o['split']}")
         else:
-            ds = datasets.load_dataset(name, o["config"] or None, split=o["split"])
+            ds = datasets.load_dataset(name, o["config"] or None, split=o["split"] or "train")
     except DataError:
         raise
     except Exception as e:  # not found, gated, offline and not cached, unknown split or config: one line
+        if os.path.isdir(name) and _no_rows(name):  # the library fails on it with an IndexError or a StopIteration
+            raise DataError(f"{key} {path!r}: an empty dataset: {name} holds no rows") from e
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = "" if os.path.exists(name) else (
             " (offline: it must be in the datasets cache, HF_HOME; gated: `hf auth login` or HF_TOKEN)")
@@ -86,6 +109,9 @@ def open_dataset(path: str, key: str):
         raise DataError(f"{key} {path!r}: an iterable (streamed) dataset; the token store needs a split of known length")
     if o["column"] and o["column"] not in ds.column_names:
         raise DataError(f"{key} {path!r}: no column {o['column']!r} (columns: {ds.column_names})")
+    if len(ds) == 0:
+        split = f"its split {split_of(name, o)}" if split_of(name, o) else "it"
+        raise DataError(f"{key} {path!r}: an empty dataset: {split} holds no rows")
     return ds
 
 
@@ -109,17 +135,23 @@ def cache_dir(path: str, key: str) -> str:
 
 
 def read_hf_rows(item: WorkItem, key: str = "training.dataset_path"):
-    """Yield ``(where, row)`` for rows [start, end) of the split; with a column, the row is that field
-    as ``{"text": ...}`` (a string) or ``{"messages": ...}`` (a list)."""
+    """Yield ``(where, row)`` for rows [start, end) of the split (``where`` names it: ``[test]``, or none for
+    a Dataset without splits); with a column, the row is that field as ``{"text": ...}`` (a string) or
+    ``{"messages": ...}`` (a list), and another value is refused naming the column."""
     name, o = parse(item.path, key)
     ds = open_dataset(item.path, key)
     batch = ds[item.start:item.end]
     columns = list(batch)
     column = o["column"]
+    split = f" [{split_of(name, o)}]" if split_of(name, o) else ""
     for i in range(item.end - item.start):
-        where = f"{name} [{o['split']}] row {item.start + i + 1}"
+        where = f"{name}{split} row {item.start + i + 1}"
         if column:
             value = batch[column][i]
+            if not isinstance(value, (str, list)):
+                raise DataError(f"{where}: column {column!r} is {kind_of(value)}; it must hold text (a string, "
+                                f"for dataset 'text') or chat messages (a list, for 'sft'): set column to one that "
+                                f"does (columns: {columns})")
             yield where, {"text" if isinstance(value, str) else "messages": value}
         else:
             yield where, {c: batch[c][i] for c in columns}

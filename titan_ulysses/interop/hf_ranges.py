@@ -6,7 +6,10 @@ would otherwise train on wrong positions or end in a NaN loss at step 1 naming n
 nor the field. The RoPE rules are transformers' own (``modeling_rope_utils``'s
 ``_validate_*_rope_parameters``, which only log a warning): every scaling factor >= 1,
 llama3's high_freq_factor above its low_freq_factor, yarn's beta_fast at least its beta_slow,
-longrope's short_factor and long_factor one entry per rotary frequency.
+longrope's short_factor and long_factor one entry per rotary frequency. A mixture of experts'
+fields likewise (``check_moe_fields``): at least one expert, top-k between 1 and the expert count,
+every key its family needs present, and a load-balancing weight in [0, 1] (1e30 passed and stopped
+the run at step 1; the largest released weight is 0.02).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ POSITIVE = (0, None, False, False)
 NON_NEGATIVE = (0, None, True, False)
 FRACTION = (0, 1, False, True)
 AT_LEAST_ONE = (1, None, True, False)
+AUX_WEIGHT = (0, 1, True, True)  # released: 0.001 to 0.02; the unweighted loss is about top-k when balanced
 
 # field -> (bounds, whole number); an absent or null field takes the family's default
 FIELDS: dict[str, tuple[tuple, bool]] = {
@@ -41,6 +45,13 @@ FIELDS: dict[str, tuple[tuple, bool]] = {
     "query_pre_attn_scalar": (POSITIVE, False),
     "attn_logit_softcapping": (NON_NEGATIVE, False),  # 0 / null: no cap
     "final_logit_softcapping": (NON_NEGATIVE, False),
+    # mixtures of experts (0 experts: Qwen3-MoE's dense model; top-k against the count: check_moe_fields)
+    "num_experts": (NON_NEGATIVE, True),
+    "num_local_experts": (NON_NEGATIVE, True),
+    "num_experts_per_tok": (POSITIVE, True),
+    "moe_intermediate_size": (POSITIVE, True),
+    "decoder_sparse_step": (POSITIVE, True),
+    "router_aux_loss_coef": (AUX_WEIGHT, False),
 }
 # inside rope_scaling / rope_parameters (``factor`` is checked by rope type)
 ROPE_FIELDS: dict[str, tuple[tuple | None, bool]] = {
@@ -132,3 +143,19 @@ def check_rope_lengths(cfg: dict, rotary_dim: int, where: str = "config.json") -
                 raise HFConfigError(
                     f"{where}: {field}.{name} has {len(values)} entries; longrope needs one per rotary frequency, "
                     f"{rotary_dim // 2} (half the rotary dim {rotary_dim} of head_dim x partial_rotary_factor)")
+
+
+
+def check_moe_fields(moe, cfg: dict, where: str = "config.json") -> None:
+    """The experts a family built from ``cfg`` (``moe``: its MoEArgs, None for a dense model) can route: at
+    least one expert, and ``num_experts_per_tok`` at most their count (0 trained with the experts doing
+    nothing; 9 of 8 was a torch.topk traceback at the first step)."""
+    if moe is None:
+        return
+    count = next((k for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None), "")
+    experts = f"{count} {moe.num_experts}" if count else f"{moe.num_experts} experts, the family's default"
+    if moe.num_experts < 1:
+        raise HFConfigError(f"{where}: {experts}: a mixture of experts needs at least one expert")
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise HFConfigError(f"{where}: num_experts_per_tok {moe.top_k} must lie in [1, {moe.num_experts}] (experts "
+                            f"each token goes to, of {experts})")

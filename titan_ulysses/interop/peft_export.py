@@ -129,23 +129,26 @@ def model_only_planner(model, path: str):
 
     A checkpoint without adapters into a LoRA run (LoRA on a fine-tuned or context-extended
     base) loads every base weight and leaves the adapters as initialised. A LoRA checkpoint into
-    a run without adapters is refused: its adapters would be dropped without a word.
+    a run without those adapters (none, other targets or another rank) is refused: they would be
+    dropped without a word, or not fit (``run_spec`` refuses it first, before any process group).
     """
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    saved = {k[len("model."):] for k in FileSystemReader(path).read_metadata().state_dict_metadata
-             if k.startswith("model.")}
-    mine = set(get_model_state_dict(model))
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.")}
+    mine = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
     adapters = {k for k in mine if k.endswith((_A, _B))}
-    if any(k.endswith((_A, _B)) for k in saved) and not adapters:
+    theirs = {k: shape for k, shape in saved.items() if k.endswith((_A, _B))}
+    if theirs and any(mine.get(k) != shape for k, shape in theirs.items()):
         raise ValueError(
-            f"checkpoint.initial_load_path {path!r} holds LoRA adapters but this run has lora.rank 0, so they would "
-            f"be dropped: set lora.rank / lora.alpha / lora.target_modules as that run had, or start from its merged "
-            f"export (scripts/export_hf.py) as model.hf_assets_path"
+            f"checkpoint.initial_load_path {path!r} holds LoRA adapters that this run's [lora] settings would drop "
+            f"or cannot hold: set lora.rank / lora.target_modules as that run had (its {RECORD}), or start from its "
+            f"merged export (titan-export) as model.hf_assets_path"
         )
-    if adapters and mine - saved == adapters:
-        return DefaultLoadPlanner(allow_partial_load=True)  # only the adapters are missing: they keep their init
+    missing = set(mine) - set(saved)
+    if missing and missing <= adapters:
+        return DefaultLoadPlanner(allow_partial_load=True)  # only adapters are missing: they keep their init
     return None
 
 
@@ -171,6 +174,6 @@ def check_adapters(model, saved_metadata: dict, path: str) -> None:
     theirs, ours = f"lora.rank {rank(saved)}{targets}", f"lora.rank {rank(mine)}"
     raise AdapterMismatchError(
         f"checkpoint {path} was written with {theirs}, this run has {ours} (or other lora.target_modules): "
-        f"resume with the checkpoint's [lora] settings, or start a new run (another job.dump_folder) from it with "
-        f"checkpoint.initial_load_path (a base without adapters) or from its merged export (scripts/export_hf.py)"
+        f"resume with the checkpoint's [lora] settings, or start a new run (another job.dump_folder) from its merged "
+        f"model: titan-export --checkpoint {path} --output DIR, then --model.hf_assets_path DIR"
     )

@@ -5,6 +5,8 @@ family's (llama3 for Llama and the named flavors, yarn for Qwen and Mistral, as 
 releases do), else ``model.rope_scaling_type``. ``original_max_position_embeddings`` is the
 length the model was trained at: ``model.rope_original_max_position_embeddings`` when set, else the existing
 scaling's, else config.json's ``max_position_embeddings`` (a flavor's: ``flavors.TRAINED_SEQ_LEN``).
+The method or the original length given without a factor re-scales an existing scaling at its own
+factor (it was silently ignored); a model without one is refused: there is no factor to keep.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ METHODS = ("llama3", "yarn", "linear")
 def extend_context(args: DecoderArgs, factor: float, method: str = "", original: int = 0,
                    max_position_embeddings: int = 0) -> DecoderArgs:
     """``args`` with RoPE scaled ``factor`` times by ``method`` ("" : the model's own); ValueError names the setting."""
+    if factor <= 0 and (method or original) and args.rope_scaling is not None:
+        factor = args.rope_scaling.factor  # another method or length at the model's own factor
     if factor <= 0:
+        if method or original:
+            given = (f"model.rope_scaling_type {method!r}" if method else
+                     f"model.rope_original_max_position_embeddings {original}")
+            raise ValueError(f"{given} without model.rope_scaling_factor: the model has no RoPE scaling whose factor "
+                             f"it could keep; set model.rope_scaling_factor too")
         return args
     if factor < 1:  # as config.json's factor (interop/hf_ranges.py): transformers requires >= 1
         raise ValueError(f"model.rope_scaling_factor must be 0 (off) or >= 1 (how many times longer the context "
