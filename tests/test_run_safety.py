@@ -79,7 +79,7 @@ def run(argv, folder, hook=None, world=2):
 
 
 def steps_on_disk(folder):
-    return sorted(os.listdir(os.path.join(folder, "checkpoint")))
+    return sorted(n for n in os.listdir(os.path.join(folder, "checkpoint")) if n != ".run.lock")  # the run's lock
 
 
 # -- non-finite state never saved; on resume the config wins -----------------------------------
@@ -286,6 +286,22 @@ def test_a_checkpoint_folder_shared_by_two_dump_folders_is_locked(tmp_path):
     run(["--training.steps", "2", "--checkpoint.folder", str(shared)], tmp_path / "b")  # free now
     assert sorted(os.listdir(shared)) == [".run.lock", "step-2"]
     assert not os.path.exists(tmp_path / "b" / "checkpoint")
+
+
+def _lock_and_meet(dump):
+    from titan_ulysses.checkpoint.build import lock_run_folders
+    from titan_ulysses.runs.lock import FolderInUseError, RunLock
+
+    locks = lock_run_folders(load_config(FAST + ["--job.dump_folder", dump]), dist.get_rank())  # run A
+    # run B, another dump folder, its --checkpoint.folder naming A's: the lock it takes there is held
+    with pytest.raises(FolderInUseError, match=r"checkpoint.folder .*/a/checkpoint is in use by another run"):
+        RunLock(os.path.join(dump, "checkpoint"), "checkpoint.folder").acquire()
+    for lock in locks:
+        lock.release()
+
+
+def test_the_folder_checkpoints_are_written_to_is_locked_inside_the_dump_folder_too(tmp_path):
+    run_distributed(_lock_and_meet, 1, str(tmp_path / "a"))
 
 
 @pytest.mark.slow

@@ -42,15 +42,14 @@ def _lock(folder: str, setting: str, rank: int) -> RunLock | None:
 
 
 def lock_run_folders(config, rank: int) -> list[RunLock]:
-    """The locks this run holds (rank 0's; none elsewhere): ``job.dump_folder``'s, and a
-    ``checkpoint.folder`` outside it (an absolute path) gets its own, so that two dump folders
-    naming the same one do not resume and save into it together. Collective."""
+    """The locks this run holds (rank 0's; none elsewhere): ``job.dump_folder``'s, and the folder
+    where its checkpoints are written (``checkpoint.folder``), inside the dump folder or not: a
+    second run whose ``checkpoint.folder`` names the first run's checkpoint folder meets the
+    first run's lock there, not only the first run's dump folder's (which it never touches). Collective."""
     c, dump = config.checkpoint, config.job.dump_folder
     locks = [_lock(dump, "job.dump_folder", rank)]
     folder = os.path.join(dump, c.folder)
-    real, dump_real = os.path.realpath(folder), os.path.realpath(dump)
-    inside = real == dump_real or real.startswith(dump_real + os.sep)  # the dump folder's lock covers it
-    if c.enable and not inside:
+    if c.enable and os.path.realpath(folder) != os.path.realpath(dump):  # the same folder: one lock
         locks.append(_lock(folder, "checkpoint.folder", rank))
     return [lock for lock in locks if lock is not None]
 
