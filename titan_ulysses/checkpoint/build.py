@@ -18,7 +18,7 @@ from titan_ulysses.runs.lock import FolderInUseError, RunLock
 from titan_ulysses.interop.peft_export import write_lora_record
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.checkpoint.weight_source import WeightSource, load_start_weights
-from titan_ulysses.config.resume import resume_settings
+from titan_ulysses.config.resume import overrides, resume_changes, resume_settings
 from titan_ulysses.distributed.lora import init_lora
 from titan_ulysses.models.build import init_weights
 
@@ -63,6 +63,8 @@ def build_checkpointer(config, model, optimizer, lr_scheduler, dataloader, args,
         lr_scheduler=lr_scheduler, dataloader=dataloader, enable=c.enable, interval=c.interval,
         async_mode=c.async_mode, keep_latest_k=c.keep_latest_k, settings=resume_settings(config),
         timeout_seconds=config.comm.init_timeout_seconds,
+        # a resume's model settings are compared before the load (config/resume.py)
+        check_settings=lambda saved: resume_changes(saved, resume_settings(config), overrides(config)),
         extras=lambda d: (write_model_record(d, args, m.hf_assets_path, config.training.seq_len),
                           write_lora_record(d, lora, hub_id_of(m.hf_assets_path) or m.hf_assets_path or m.flavor)),
     )
