@@ -7,7 +7,9 @@
 * weights holding NaN, or an optimizer state holding inf, are never saved, and pruning keeps
   the last good checkpoint;
 * a save failing with PyTorch's zip writer's "unexpected pos" (a full disk, no ENOSPC) is
-  explained with the space needed and free, and the last good checkpoint stays loadable.
+  explained with the space needed and free, and the last good checkpoint stays loadable;
+* a good checkpoint of another model (its shapes, or its saved settings) is refused before
+  anything is loaded, and never set aside as damaged (issue 38).
 """
 
 import contextlib
@@ -202,3 +204,54 @@ def _worker_atomic_and_nonfinite(folder):
 
 def test_atomic_commit_and_nonfinite_state_never_saved(tmp_path):
     run_distributed(_worker_atomic_and_nonfinite, 2, str(tmp_path))
+
+
+# -- a good checkpoint of other settings is refused, never called damaged ----------------------
+
+def _worker_other_model(folder):
+    from model_harness import build_pair, small_args
+    from titan_ulysses.checkpoint.fit import SettingsMismatchError
+    from titan_ulysses.config.manager import ConfigError
+    from titan_ulysses.distributed.parallel_dims import ParallelDims
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
+
+    model, opt, loader, sched, mgr = checkpoint_setup(folder, {"sp": 1}, settings={"model.flavor": "a"})
+    tiny_train_step(model, opt)
+    mgr.save(1)
+    good = snapshot(model)
+    pd = ParallelDims(world_size=1)
+    pd.build_mesh("cpu")
+    _, other = build_pair(small_args(n_kv_heads=4), pd, ParallelizeOptions(param_dtype=torch.float32))
+    other_mgr = ckpt.CheckpointManager(folder=folder, model=other, optimizer=torch.optim.AdamW(other.parameters()),
+                                       lr_scheduler=sched, dataloader=loader, enable=True, interval=1,
+                                       settings={"model.flavor": "b"})
+    with pytest.raises(SettingsMismatchError, match=r"step-1 is good but does not fit this run's model: .*wk.weight is "
+                                                    r"\[16, 64\] there, \[32, 64\] in this run's model \(settings "
+                                                    r"changed: model.flavor 'a' -> 'b'\); nothing was loaded or set aside"):
+        other_mgr.load()
+    real = ckpt.model_mismatch  # a mismatch the key check missed fails in DCP's load: still not damage
+    ckpt.model_mismatch = lambda path, shapes: None
+    try:
+        with pytest.raises(SettingsMismatchError, match=r"step-1 is good but does not fit this run's model: loading "
+                                                        r"failed on a mismatch: .*nothing was loaded or set aside"):
+            other_mgr.load()
+    finally:
+        ckpt.model_mismatch = real
+
+    def refuse(saved):
+        raise ConfigError(f"trained with {saved}")
+
+    mgr.check_settings = refuse  # the saved settings are compared before the load
+    scramble(model)
+    with pytest.raises(ConfigError, match=r"trained with \{'model.flavor': 'a'\}"):
+        mgr.load()
+    assert all((p == 0.5).all() for p in snapshot(model).values())  # nothing was loaded
+    dist.barrier()
+    assert sorted(os.listdir(folder)) == ["step-1"]
+    mgr.check_settings = None
+    assert mgr.load() == 1
+    assert_equal(snapshot(model), good, "param")
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_never_set_aside(tmp_path):
+    run_distributed(_worker_other_model, 1, str(tmp_path))

@@ -153,6 +153,27 @@ def test_export_script(tmp_path, capsys):
     assert code != 0 and "does not match the model arguments" in err
     assert not (tmp_path / "hf_wrong" / "model.safetensors").exists()
 
+    # issue 38: an output folder holding anything is refused unless --overwrite, then replaced whole
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    code, err = export("debugmodel", "hf")
+    assert code == 2 and f"--output '{tmp_path / 'hf'}' is not empty (config.json, " in err and "pass --overwrite" in err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+    code, err = export("debugmodel_gqa1", "hf", "--overwrite")  # fails after the check: the old folder stays
+    assert code == 2 and {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json"):  # another model's shards
+        (tmp_path / "hf" / name).write_text("old")
+    code, err = export("debugmodel", "hf", "--overwrite")
+    assert code == 0 and sorted(p.name for p in (tmp_path / "hf").iterdir()) == sorted(before), err
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    inside = tmp_path / "ckpt" / "step-1" / "hf_assets"  # never into a checkpoint, --overwrite or not
+    files = sorted(p.name for p in (tmp_path / "ckpt" / "step-1").rglob("*"))
+    code, err = export("debugmodel", inside.relative_to(tmp_path), "--overwrite")
+    assert code == 2 and f"lies inside the checkpoint {tmp_path / 'ckpt' / 'step-1'}" in err, err
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "step-1").rglob("*")) == files
+    code = script.main(["--checkpoint", str(tmp_path / "nowhere"), "--output", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"'{tmp_path / 'nowhere'}' does not exist" in err and "model_args" not in err, err
+
 
 def test_export_takes_the_dtype_of_the_source_weights_not_config_json(tmp_path, capsys):
     """Issue 33, item 4: config.json said bfloat16 over F32 safetensors, and the export downcast to

@@ -67,6 +67,17 @@ def test_a_dump_folder_that_is_a_file_is_refused(tmp_path, capsys):
                        "--parallelism.ulysses_degree", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("config error: job.dump_folder") and "is a file" in err[0], err
+    # issue 38: both passed --dry-run, then failed in os.makedirs with a traceback
+    long = tmp_path / ("d" * 300)  # access() says yes (as root too); the folder cannot be made
+    assert output_folder_problem("job.dump_folder", str(long)) == (
+        f"job.dump_folder '{long}' cannot be created in {tmp_path} (File name too long); name a folder you can write")
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # the trial folder is gone
+    dry = ["--model.flavor", "debugmodel", "--parallelism.ulysses_degree", "1", "--dry-run"]
+    assert train.main([*dry, "--job.dump_folder", str(tmp_path / "new"), "--checkpoint.enable", "true",
+                       "--checkpoint.folder", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"config error: checkpoint.folder '{tmp_path / 'run'}' is a file, not a folder; name a folder (it is created "
+        f"if missing)"]
 
 
 def test_a_missing_corpus_is_reported_before_a_layout_error(tmp_path, capsys):

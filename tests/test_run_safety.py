@@ -79,7 +79,7 @@ def run(argv, folder, hook=None, world=2):
 
 
 def steps_on_disk(folder):
-    return sorted(os.listdir(os.path.join(folder, "checkpoint")))
+    return sorted(n for n in os.listdir(os.path.join(folder, "checkpoint")) if n != ".run.lock")  # the run's lock
 
 
 # -- non-finite state never saved; on resume the config wins -----------------------------------
@@ -113,11 +113,44 @@ def test_a_nonfinite_grad_norm_skips_the_update_or_stops(tmp_path):
         run(["--training.steps", "3"], tmp_path / "stop", "nan_grad_at_2")
 
 
+# -- a dump folder relaunched with another model: refused, nothing called damaged (issue 38) -----
+
+def _dry_run(argv, capfd):
+    sys.path.insert(0, ROOT)
+    import train
+
+    capfd.readouterr()
+    code = train.main(argv + ["--dry-run", "--world-size", "2"])
+    out, err = capfd.readouterr()
+    return code, out, err.strip().splitlines()
+
+
+def _another_model_is_refused_before_any_load(folder, capfd):
+    """A dump folder relaunched with another model (issue 38): the dry run and the launch refuse it in one
+    line naming the setting; nothing is loaded and no good checkpoint is renamed .bad."""
+    argv = FAST + ["--job.dump_folder", str(folder), "--training.steps", "6"]
+    gqa = ["--model.flavor", "debugmodel_gqa1"]
+    code, out, err = _dry_run(argv + gqa, capfd)
+    assert code == 2 and err == [
+        "config error: the resumed checkpoint was trained with other model settings (model.flavor 'debugmodel' -> "
+        "'debugmodel_gqa1'); nothing was loaded: set them back, resume on purpose with --checkpoint.override_recorded "
+        "model.flavor, or train these settings from the start in another job.dump_folder (or checkpoint.folder)"], err
+    with pytest.raises(Exception, match=r"checkpoint .*step-4 is good but does not fit this run's model: .*it records "
+                                        r"model.flavor 'debugmodel': set --model.flavor debugmodel \(settings changed: "
+                                        r"model.flavor 'debugmodel' -> 'debugmodel_gqa1'\); nothing was loaded or set "
+                                        r"aside: set the settings back to resume, or train these settings"):
+        run(["--training.steps", "6", *gqa, "--checkpoint.override_recorded", "model.flavor"], folder)
+    assert steps_on_disk(folder) == ["step-2", "step-4"]  # never renamed .bad
+    code, out, err = _dry_run(argv, capfd)
+    assert code == 0 and f"weights at the first step: resumes from {folder}/checkpoint/step-4" in out, (out, err)
+
+
 # -- a damaged newest checkpoint falls back; a full disk keeps the last good one ------------
 
 def test_damaged_checkpoint_falls_back_and_a_full_disk_keeps_the_last_good_one(tmp_path, capfd):
     folder = tmp_path / "run"
     run(["--training.steps", "4"], folder)
+    _another_model_is_refused_before_any_load(folder, capfd)
     shard = folder / "checkpoint" / "step-4" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # bytes changed inside a tensor file
@@ -286,6 +319,22 @@ def test_a_checkpoint_folder_shared_by_two_dump_folders_is_locked(tmp_path):
     run(["--training.steps", "2", "--checkpoint.folder", str(shared)], tmp_path / "b")  # free now
     assert sorted(os.listdir(shared)) == [".run.lock", "step-2"]
     assert not os.path.exists(tmp_path / "b" / "checkpoint")
+
+
+def _lock_and_meet(dump):
+    from titan_ulysses.checkpoint.build import lock_run_folders
+    from titan_ulysses.runs.lock import FolderInUseError, RunLock
+
+    locks = lock_run_folders(load_config(FAST + ["--job.dump_folder", dump]), dist.get_rank())  # run A
+    # run B, another dump folder, its --checkpoint.folder naming A's: the lock it takes there is held
+    with pytest.raises(FolderInUseError, match=r"checkpoint.folder .*/a/checkpoint is in use by another run"):
+        RunLock(os.path.join(dump, "checkpoint"), "checkpoint.folder").acquire()
+    for lock in locks:
+        lock.release()
+
+
+def test_the_folder_checkpoints_are_written_to_is_locked_inside_the_dump_folder_too(tmp_path):
+    run_distributed(_lock_and_meet, 1, str(tmp_path / "a"))
 
 
 @pytest.mark.slow

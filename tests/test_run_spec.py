@@ -147,8 +147,10 @@ def test_resume_changes_sort_what_the_model_computes_from_how_it_runs():
     saved = resume_settings(load_config([]))
     argv = ["--model.rope_scaling_factor", "4", "--parallelism.ulysses_degree", "2", "--compile.enable", "true",
             "--activation_checkpoint.mode", "selective"]
-    with pytest.raises(ConfigError, match=r"\(model.rope_scaling_factor 0.0 -> 4.0\): set them back, or resume on "
-                                          r"purpose with --checkpoint.override_recorded model.rope_scaling_factor$"):
+    with pytest.raises(ConfigError, match=r"\(model.rope_scaling_factor 0.0 -> 4.0\); nothing was loaded: set them "
+                                          r"back, resume on purpose with --checkpoint.override_recorded "
+                                          r"model.rope_scaling_factor, or train these settings from the start in "
+                                          r"another job.dump_folder \(or checkpoint.folder\)$"):
         resume_changes(saved, resume_settings(load_config(argv)))
     config = load_config([*argv, "--checkpoint.override_recorded", "model.rope_scaling_factor"])
     said = resume_changes(saved, resume_settings(config), overrides(config))

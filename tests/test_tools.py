@@ -218,6 +218,26 @@ def test_plan_runs_the_launchs_pre_flight(tmp_path):
         plan.main(argv)
 
 
+def test_plan_and_plot_outputs_are_refused_in_one_line_never_overwritten_by_surprise(tmp_path, capsys):
+    """Issue 38: --out into a missing folder was a traceback (both), and plan's --out replaced a file silently."""
+    argv = ["--flavor", "debugmodel", "--seq-len", "4096", "--gpus", "1", "--gpu-memory-gib", "1"]
+    with pytest.raises(SystemExit, match=rf"^plan: --out '{tmp_path}/no/plan.toml': the folder {tmp_path}/no does "
+                                         r"not exist; create it or name a file in an existing folder$"):
+        plan.main([*argv, "--out", str(tmp_path / "no" / "plan.toml")])
+    out = tmp_path / "plan.toml"
+    out.write_text("# mine")
+    with pytest.raises(SystemExit, match=r"^plan: --out '.*plan.toml' exists; pass --overwrite to replace it, or "
+                                         r"name a new file$"):
+        plan.main([*argv, "--out", str(out)])
+    assert out.read_text() == "# mine"
+    plan.main([*argv, "--out", str(out), "--overwrite"])
+    assert out.read_text().startswith("# scripts/plan.py") and not list(tmp_path.glob("*.tmp-*"))
+    _write_run(tmp_path / "A", [_step(1, 2.0)])
+    with pytest.raises(SystemExit, match=rf"^plot_metrics: --out '{tmp_path}/no/m.png': the folder {tmp_path}/no "
+                                         r"does not exist"):
+        plot_metrics.main([str(tmp_path / "A"), "--out", str(tmp_path / "no" / "m.png")])
+
+
 @pytest.mark.parametrize("flag", ["--gpu-memory-gib", "--matmul-tflops"])
 @pytest.mark.parametrize("value", ["nan", "inf", "0", "-1"])
 def test_plan_refuses_a_number_that_is_not_positive_and_finite(flag, value):

@@ -76,14 +76,14 @@ def test_sigterm_on_one_rank_saves_and_stops_all(tmp_path):
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "100"]
     metrics = run(2, ["--training.steps", "50"] + ckpt + layout(sp=2), tmp_path, "preempted", "sigterm_rank0_at_2")
     assert [m["step"] for m in metrics] == [1, 2]
-    assert sorted(os.listdir(tmp_path / "preempted" / "checkpoint")) == ["step-2"]
+    assert sorted(n for n in os.listdir(tmp_path / "preempted" / "checkpoint") if n != ".run.lock") == ["step-2"]
 
 
 def test_nan_loss_stops_without_touching_the_last_checkpoint(tmp_path):
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
     with pytest.raises(Exception, match="loss is nan at step 3"):
         run(2, ["--training.steps", "10"] + ckpt + layout(sp=2), tmp_path, "nan", "nan_at_3")
-    assert sorted(os.listdir(tmp_path / "nan" / "checkpoint")) == ["step-2"]
+    assert sorted(n for n in os.listdir(tmp_path / "nan" / "checkpoint") if n != ".run.lock") == ["step-2"]
     assert [m["step"] for m in read_metrics(tmp_path / "nan")] == [1, 2]
 
 

@@ -32,6 +32,7 @@ from titan_ulysses.runs.folders import output_folders_problem
 from titan_ulysses.interop.hf_weights import check_hf_weights
 from titan_ulysses.interop.hf_export import check_dcp_model_shapes
 from titan_ulysses.interop.hub import resolve_hf_assets
+from titan_ulysses.checkpoint.fit import check_resume
 from titan_ulysses.checkpoint.verify import ALL
 from titan_ulysses.checkpoint.weight_source import adopt_start_record, hf_weights_wanted
 from titan_ulysses.config.job_config import JobConfig
@@ -136,6 +137,7 @@ def check_launch(config: JobConfig) -> tuple[ParallelDims, RunSpec, str | None]:
     problem = output_folders_problem(config)
     if problem:
         raise ConfigError(problem)
+    check_resume(config, spec.args)  # the checkpoint it would resume, of these settings (before any load)
     return dims, spec, note
 
 
@@ -177,6 +179,7 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
     problem = output_folders_problem(config) or (login_problem() if config.metrics.enable_wandb else None)
     if problem:
         raise ConfigError(problem)
+    check_resume(config, spec.args)  # as a launch: a checkpoint of other settings is refused, not resumed
     from titan_ulysses.planning import dry_run  # here: a launch imports this module, and needs no planner
 
     return dry_run.describe(config, world_size, dims, spec, _datasets(config), device_gib, record_note)

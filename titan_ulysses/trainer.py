@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ulysses.checkpoint.build import build_checkpointer, load_weights, lock_run_folders
+from titan_ulysses.checkpoint.errors import RunRefused
 from titan_ulysses.config.job_config import JobConfig
 from titan_ulysses.config.manager import ConfigError, resolved_global_batch_size
 from titan_ulysses.config.resume import overrides, resume_changes, resume_settings
@@ -81,8 +82,12 @@ class Trainer:
         # checkpoint, and the weights the run starts from
         self.checkpointer = build_checkpointer(config, self.model, self.optimizer, self.lr_scheduler,
                                                self.dataloader, self.args, options.lora)
-        self.weights = load_weights(config, self.checkpointer, self.model, self.args, self.device,
-                                    lora=options.lora is not None)
+        try:  # a checkpoint of other settings is refused before the load (checkpoint/fit.py)
+            self.weights = load_weights(config, self.checkpointer, self.model, self.args, self.device,
+                                        lora=options.lora is not None)
+        except (ConfigError, RunRefused):
+            self._release_locks()
+            raise
         self.step = self.weights.step
         resumed = ""
         if self.step > 0:  # the config wins over the restored optimizer and schedule

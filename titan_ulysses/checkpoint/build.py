@@ -18,7 +18,7 @@ from titan_ulysses.runs.lock import FolderInUseError, RunLock
 from titan_ulysses.interop.peft_export import write_lora_record
 from titan_ulysses.checkpoint.manager import CheckpointManager
 from titan_ulysses.checkpoint.weight_source import WeightSource, load_start_weights
-from titan_ulysses.config.resume import resume_settings
+from titan_ulysses.config.resume import overrides, resume_changes, resume_settings
 from titan_ulysses.distributed.lora import init_lora
 from titan_ulysses.models.build import init_weights
 
@@ -42,15 +42,14 @@ def _lock(folder: str, setting: str, rank: int) -> RunLock | None:
 
 
 def lock_run_folders(config, rank: int) -> list[RunLock]:
-    """The locks this run holds (rank 0's; none elsewhere): ``job.dump_folder``'s, and a
-    ``checkpoint.folder`` outside it (an absolute path) gets its own, so that two dump folders
-    naming the same one do not resume and save into it together. Collective."""
+    """The locks this run holds (rank 0's; none elsewhere): ``job.dump_folder``'s, and the folder
+    where its checkpoints are written (``checkpoint.folder``), inside the dump folder or not: a
+    second run whose ``checkpoint.folder`` names the first run's checkpoint folder meets the
+    first run's lock there, not only the first run's dump folder's (which it never touches). Collective."""
     c, dump = config.checkpoint, config.job.dump_folder
     locks = [_lock(dump, "job.dump_folder", rank)]
     folder = os.path.join(dump, c.folder)
-    real, dump_real = os.path.realpath(folder), os.path.realpath(dump)
-    inside = real == dump_real or real.startswith(dump_real + os.sep)  # the dump folder's lock covers it
-    if c.enable and not inside:
+    if c.enable and os.path.realpath(folder) != os.path.realpath(dump):  # the same folder: one lock
         locks.append(_lock(folder, "checkpoint.folder", rank))
     return [lock for lock in locks if lock is not None]
 
@@ -64,6 +63,8 @@ def build_checkpointer(config, model, optimizer, lr_scheduler, dataloader, args,
         lr_scheduler=lr_scheduler, dataloader=dataloader, enable=c.enable, interval=c.interval,
         async_mode=c.async_mode, keep_latest_k=c.keep_latest_k, settings=resume_settings(config),
         timeout_seconds=config.comm.init_timeout_seconds,
+        # a resume's model settings are compared before the load (config/resume.py)
+        check_settings=lambda saved: resume_changes(saved, resume_settings(config), overrides(config)),
         extras=lambda d: (write_model_record(d, args, m.hf_assets_path, config.training.seq_len),
                           write_lora_record(d, lora, hub_id_of(m.hf_assets_path) or m.hf_assets_path or m.flavor)),
     )

@@ -46,10 +46,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_ulysses.checkpoint import manifest
+from titan_ulysses.checkpoint.fit import (DOES_NOT_FIT, load_failure, mismatch_refusal, model_mismatch, model_shapes,
+                                          saved_settings)
 from titan_ulysses.interop.peft_export import AdapterMismatchError, check_adapters, model_only_planner
-from titan_ulysses.checkpoint.safety import explain_save_error, nonfinite_tensors, set_aside, state_bytes
+from titan_ulysses.checkpoint.safety import clean_up, explain_save_error, nonfinite_tensors, set_aside, state_bytes
 from titan_ulysses.checkpoint.state import training_state
-from titan_ulysses.checkpoint.steps import STEP_DIR as _STEP_DIR
 from titan_ulysses.checkpoint.steps import complete_steps, missing_checkpoint  # noqa: F401 (public here)
 from titan_ulysses.checkpoint.verify import UntrustedCheckpointError, checkpoint_problem, untrusted
 from titan_ulysses.data.sources import DataError
@@ -85,7 +86,8 @@ def _check(path: str, setting: str = "checkpoint.initial_load_path") -> None:
 class CheckpointManager:
     def __init__(self, *, folder: str, model, optimizer, lr_scheduler, dataloader, enable: bool,
                  interval: int, async_mode: str = "disabled", keep_latest_k: int = 0,
-                 settings: dict | None = None, timeout_seconds: float | None = None, extras=None):
+                 settings: dict | None = None, timeout_seconds: float | None = None, extras=None,
+                 check_settings=None):
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"checkpoint.async_mode {async_mode!r} is not one of {list(ASYNC_MODES)}")
         if interval < 1:
@@ -98,6 +100,8 @@ class CheckpointManager:
         self.lr_scheduler, self.dataloader = lr_scheduler, dataloader
         self.extras = extras
         self.settings = settings  # saved with each checkpoint
+        # check_settings(saved): raises (one line) before a load of saved settings that may not be resumed
+        self.check_settings = check_settings
         self.loaded_settings: dict | None = None  # those of the checkpoint loaded, when it has them
         self.rank = dist.get_rank()
         self._pending = None  # (future, step) of an async save in flight
@@ -293,14 +297,8 @@ class CheckpointManager:
 
     def _clean_up(self) -> None:
         """Rank 0, at start-up: remove leftover ``.tmp`` saves, set incomplete step folders aside."""
-        if self.rank == 0 and os.path.isdir(self.folder):
-            for name in sorted(os.listdir(self.folder)):
-                path = os.path.join(self.folder, name)
-                if name.startswith("step-") and name.endswith(".tmp"):
-                    _warn(f"removing {path}, an unfinished save of an earlier run")
-                    shutil.rmtree(path, ignore_errors=True)
-                elif _STEP_DIR.match(name) and not os.path.isfile(os.path.join(path, ".metadata")):
-                    _warn(f"{path} has no .metadata (an incomplete checkpoint); moved aside to {set_aside(path)}")
+        if self.rank == 0:
+            clean_up(self.folder, _warn)
         self._barrier()
 
     def verify(self, path: str, setting: str = "the checkpoint") -> str | None:
@@ -312,8 +310,9 @@ class CheckpointManager:
     def load(self, step: int = -1) -> int:
         """Resume: load the newest good checkpoint of this run (or the given step); the step, or 0.
 
-        Checkpoints that fail verification or loading are set aside (``step-N.bad``) with a
-        warning, and the previous one is tried.
+        Checkpoints that fail verification or loading are set aside (``step-N.bad``) with a warning, and the
+        previous one is tried. A good one of other settings (``check_settings``, keys, shapes: ``fit.py``) is
+        refused before anything is loaded, and never set aside.
         """
         self.wait()
         if step != -1:
@@ -325,15 +324,19 @@ class CheckpointManager:
             path = self._dir(step)
             reason = self.verify(path, "the resume")
             if reason is None:
+                self._refuse_mismatch(path)
                 try:
                     loaded = self._load_full(path)
                 except (DataError, AdapterMismatchError):  # sound, of other settings: refuse, never set aside
                     raise
                 except LOAD_ERRORS as e:
-                    loaded, reason = None, f"loading failed: {type(e).__name__}: {str(e).strip()[:500]}"
+                    loaded, reason = None, load_failure(e)
                 reasons = [r for r in self._gather(reason) if r]  # every rank must have loaded
                 if not reasons:
                     return loaded
+                misfit = next((r for r in reasons if r.startswith(DOES_NOT_FIT)), None)  # not damage
+                if misfit:
+                    raise mismatch_refusal(path, misfit, self._from_rank0(self._saved(path)), self.settings)
                 reason, touched = reasons[0], path
             if self.rank == 0:
                 _warn(f"checkpoint {path} is damaged: {reason}; moved aside to {set_aside(path)}, "
@@ -347,6 +350,19 @@ class CheckpointManager:
                 f"over from the run's start weights"
             )
         return 0
+
+    def _saved(self, path: str) -> dict | None:  # read by rank 0
+        return saved_settings(path) if self.rank == 0 else None
+
+    def _refuse_mismatch(self, path: str) -> None:
+        """Raise on every rank, before any load, when the verified checkpoint ``path`` is of other
+        settings: ``check_settings`` refuses its saved ones, or its model's keys or shapes differ."""
+        saved = self._from_rank0(self._saved(path))
+        if self.check_settings is not None:
+            self.check_settings(saved)
+        reason = next((r for r in self._gather(model_mismatch(path, model_shapes(self.model))) if r), None)
+        if reason:
+            raise mismatch_refusal(path, reason, saved, self.settings)
 
     def _verified(self, path: str, setting: str) -> None:
         """Raise (on every rank) unless ``path`` is a complete checkpoint that passes verification."""

@@ -3,6 +3,7 @@
 * ``nonfinite_tensors``: weights or optimizer state holding NaN/inf are never saved (a NaN
   learning rate passes the loss and gradient checks of the step and only shows in the
   weights after the update).
+* ``clean_up``: a crashed save's leftovers never block a later one (at start-up);
 * ``set_aside``: a damaged or incomplete ``step-N`` folder is renamed to ``step-N.bad``
   (kept for inspection, never picked again, never in the way of a later save).
 * ``explain_save_error``: a save that failed says where, how much it needs and how much is
@@ -19,6 +20,7 @@ import shutil
 
 import torch
 
+from titan_ulysses.checkpoint.manifest import METADATA
 from titan_ulysses.data.build_lock import folder_bytes  # the bytes a failed save left, as a failed store build counts them
 
 
@@ -49,6 +51,19 @@ def set_aside(path: str) -> str:
         target = f"{path}.bad-{n}"
     os.rename(path, target)
     return target
+
+
+def clean_up(folder: str, warn) -> None:
+    """At start-up: remove leftover ``step-N.tmp`` saves, set ``step-N`` folders without ``.metadata`` aside."""
+    from titan_ulysses.checkpoint.steps import STEP_DIR
+
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        path = os.path.join(folder, name)
+        if name.startswith("step-") and name.endswith(".tmp"):
+            warn(f"removing {path}, an unfinished save of an earlier run")
+            shutil.rmtree(path, ignore_errors=True)
+        elif STEP_DIR.match(name) and not os.path.isfile(os.path.join(path, METADATA)):
+            warn(f"{path} has no .metadata (an incomplete checkpoint); moved aside to {set_aside(path)}")
 
 
 def _exceptions(exc: BaseException):

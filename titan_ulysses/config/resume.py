@@ -79,8 +79,10 @@ def resume_changes(saved: dict | None, current: dict, override: tuple[str, ...] 
     refused = [k for k in changed if k in MODEL_SETTINGS and k not in override]
     if refused:
         what = ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused)
-        raise ConfigError(f"the resumed checkpoint was trained with other model settings ({what}): set them back, "
-                          f"or resume on purpose with --checkpoint.override_recorded {','.join(refused)}")
+        raise ConfigError(f"the resumed checkpoint was trained with other model settings ({what}); nothing was "
+                          f"loaded: set them back, resume on purpose with --checkpoint.override_recorded "
+                          f"{','.join(refused)}, or train these settings from the start in another job.dump_folder "
+                          f"(or checkpoint.folder)")
 
     def named(keys) -> str:
         return ", ".join(f"{k} {changed[k][0]} -> {changed[k][1]}" for k in keys)

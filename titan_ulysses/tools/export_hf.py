@@ -9,7 +9,9 @@ The weights are written in the dtype they came in: a run started from a Hugging 
 exports the dtype of that folder's safetensors (recorded in the checkpoint; the output line says
 so when its config.json names another), a run from scratch the dtype of its saved parameters
 (float32); --dtype overrides (e.g. bfloat16 for a smaller folder). The checkpoint is verified
-against its manifest first: a damaged one is refused, nothing is written.
+against its manifest first: a damaged one is refused, nothing is written. A non-empty --output
+folder is refused unless --overwrite (then replaced whole), one inside a checkpoint always; the
+folder is written beside --output and renamed into place once complete (``runs/outputs.py``).
 
 Every checkpoint records the model arguments it was trained with (``model_args.json``)
 and, for runs started from a Hugging Face folder, that folder's config.json and tokenizer
@@ -31,10 +33,12 @@ import sys
 
 import torch
 
+from titan_ulysses.checkpoint.steps import missing_checkpoint
 from titan_ulysses.interop.hf_export import export_hf, source_dtype
 from titan_ulysses.interop.peft_export import export_peft_adapter
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.run_spec import resolve_run
+from titan_ulysses.runs.outputs import output_problem, staged_folder
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -83,17 +87,26 @@ def main(argv=None) -> int:
                         help="max_position_embeddings written to config.json (the source folder's value wins)")
     parser.add_argument("--adapter-only", action="store_true",
                         help="LoRA checkpoints: write only the adapters, as a peft folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty --output folder whole (refused without it)")
     parser.add_argument("--base-model", default="",
                         help="with --adapter-only: base_model_name_or_path to write (default: the run's model.hf_assets_path)")
     a, settings = parser.parse_known_args(argv)
     try:
+        # before anything else: the checkpoint is there, and the output would overwrite nothing by surprise
+        for problem in (missing_checkpoint(a.checkpoint, "--checkpoint"),
+                        output_problem("--output", a.output, a.overwrite, folder=True, checkpoint=a.checkpoint)):
+            if problem:
+                raise ValueError(problem)
         if a.adapter_only:
-            written = export_peft_adapter(a.checkpoint, a.output, a.base_model)
+            with staged_folder(a.output) as tmp:  # written whole beside it, then renamed into place
+                written = export_peft_adapter(a.checkpoint, tmp, a.base_model)
             print(f"wrote {a.output}: {', '.join(written)}")
             return 0
         args = spec_args(a, settings)
         dtype = getattr(torch, a.dtype) if a.dtype else None  # None: export_hf takes source_dtype's, once verified
-        written = export_hf(a.checkpoint, args, a.output, dtype, a.max_position_embeddings, a.max_shard_size)
+        with staged_folder(a.output) as tmp:
+            written = export_hf(a.checkpoint, args, tmp, dtype, a.max_position_embeddings, a.max_shard_size)
         dtype, how = (dtype, "--dtype") if dtype else source_dtype(a.checkpoint)
     except (OSError, ValueError) as e:
         print(f"export_hf: {e}", file=sys.stderr)

@@ -27,6 +27,8 @@ import argparse
 import math
 import sys
 
+from titan_ulysses.runs.outputs import output_problem, write_text
+
 # docs/benchmarks.md, "local attention at 32K+": bf16 matmul 787 TFLOP/s, cuDNN SDPA 74% of it at
 # 32K and 70% at 64K and 128K (H200, gpu_suite.py --part bench, bench_attention)
 MATMUL_TFLOPS = 787.0
@@ -124,8 +126,12 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100: 80, H200: 141)")
     p.add_argument("--matmul-tflops", type=float, default=MATMUL_TFLOPS,
                    help=f"bf16 matmul rate of the GPU (default {MATMUL_TFLOPS:g}: measured on an H200)")
-    p.add_argument("--out", default="", help="also write the TOML here")
+    p.add_argument("--out", default="", help="also write the TOML here (an existing file only with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     a = p.parse_args(argv)
+    problem = a.out and output_problem("--out", a.out, a.overwrite, folder=False)
+    if problem:
+        raise SystemExit(f"plan: {problem}")
     for flag, value in (("--seq-len", a.seq_len), ("--gpus", a.gpus), ("--gpu-memory-gib", a.gpu_memory_gib),
                         ("--matmul-tflops", a.matmul_tflops)):
         if not (math.isfinite(value) and value > 0):  # nan > 0 is False, but so is nan <= 0
@@ -138,8 +144,7 @@ def main(argv=None) -> int:
                                       f"{a.gpus} GPUs of {a.gpu_memory_gib:g} GiB; set dataset, steps and lr")
     print(toml)
     if a.out:
-        with open(a.out, "w") as f:
-            f.write(toml)
+        write_text(a.out, toml)
         print(f"# written to {a.out}")
     print(f"layout {dims.degrees}; memory per device by phase (estimate; total = the largest):")
     print("  (the fewest ranks per sequence that fit; a larger ulysses_degree leaves room for selective AC, "

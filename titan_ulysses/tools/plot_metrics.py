@@ -17,6 +17,8 @@ import math
 import os
 import sys
 
+from titan_ulysses.runs.outputs import output_problem
+
 # panel title -> (metrics.jsonl key, y label, log scale)
 PANELS = [
     ("loss", "loss", True),
@@ -117,6 +119,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="", help="the PNG to write (default: metrics.png in the first run's folder)")
     a = p.parse_args(argv)
     out = a.out or os.path.join(a.runs[0], "metrics.png")
+    problem = output_problem("--out", out, overwrite=True, folder=False)  # a plot is redrawn in place
+    if problem:
+        raise SystemExit(f"plot_metrics: {problem}")
     fig = plot(a.runs)
     fig.savefig(out, dpi=100)
     print(f"wrote {out} ({len(a.runs)} run(s))")
