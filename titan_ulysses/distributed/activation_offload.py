@@ -26,7 +26,12 @@ group checkpoint's to recompute), so exactly the group inputs travel.
 
 The hooks sit on the outermost module of each block (or around each group), outside any compiled region
 (``torch.compile`` cannot trace saved-tensor hooks), so :func:`apply_activation_offload`
-runs after ``apply_compile``.
+runs after ``apply_compile``. A compiled block's autograd function saves what its graph keeps --
+the block's input, its weights (graph inputs), the few tensors the partitioner chose -- and the hooks
+apply to each when the block runs: the input travels as in eager, the weights stay (``_pack``).
+Each open unit is kept in the offloader, keyed by the block: a compiled block forwards attribute
+writes to the module it wraps, so a unit stored on the block was never closed and its hooks packed
+everything after it (the loss, the next steps' forwards; issue 39).
 """
 
 from __future__ import annotations
@@ -71,6 +76,9 @@ class ActivationOffloader:
         # storage pointer -> (the tensor, weakly; its entry, or None where it stays on the device)
         self._seen: dict[int, tuple[weakref.ref, _Entry | None]] = {}
         self.offloaded_bytes = 0  # sent to the host by the last forward (the metrics' host_offload_gib)
+        # id(block) -> its open unit: kept here, not on the block, since a compiled block
+        # (``OptimizedModule``) sets attributes on the module it wraps but reads its own __dict__
+        self._open: dict[int, contextlib.AbstractContextManager] = {}
 
     # -- hooks ----------------------------------------------------------------------------
     def start_forward(self, module, args) -> None:
@@ -78,8 +86,9 @@ class ActivationOffloader:
         self._last, self._seen, self.offloaded_bytes = None, {}, 0
 
     def enter_block(self, module, args) -> None:
-        module._offload_ctx = self.unit()
-        module._offload_ctx.__enter__()
+        ctx = self.unit()
+        ctx.__enter__()
+        self._open[id(module)] = ctx
 
     @contextlib.contextmanager
     def unit(self):
@@ -89,9 +98,8 @@ class ActivationOffloader:
         with saved_tensors_hooks(functools.partial(self._pack, group), self._unpack):
             yield
 
-    @staticmethod
-    def exit_block(module, args, output) -> None:
-        ctx = module.__dict__.pop("_offload_ctx", None)
+    def exit_block(self, module, args, output) -> None:
+        ctx = self._open.pop(id(module), None)
         if ctx is not None:
             ctx.__exit__(None, None, None)
 
@@ -101,7 +109,10 @@ class ActivationOffloader:
         return t.device.type != "cpu" and t.numel() * t.element_size() >= self.min_bytes
 
     def _pack(self, group: _Group, t: torch.Tensor):
-        if not self.offloadable(t):
+        # a parameter stays: it lives on the device anyway (or FSDP gathers it again for backward), and a
+        # host copy would come back as a second device copy beside it. Eager blocks save none here (the
+        # checkpoint keeps only the block's inputs); a compiled block saves its weights as graph inputs.
+        if isinstance(t, nn.Parameter) or not self.offloadable(t):
             return t
         key = t.untyped_storage().data_ptr()
         ref, earlier = self._seen.get(key, (None, None))
