@@ -221,8 +221,10 @@ class Trainer:
             what = f"loss is {global_loss} at step {step}"
         elif not math.isfinite(grad_norm):
             what = f"gradient norm is {grad_norm} at step {step} (loss {global_loss:.4f})"
-        else:
+        elif not math.isfinite(lr):
             what = f"learning rate is {lr} at step {step}"
+        else:  # this rank's numbers are finite: the world's decision came from another rank's
+            what = f"another rank's loss or gradient norm is NaN/inf at step {step} (loss {global_loss:.4f} here)"
         limit = self.config.training.skip_nonfinite_steps
         self.nonfinite_in_a_row += 1
         if math.isfinite(lr) and self.nonfinite_in_a_row <= limit:
