@@ -20,6 +20,7 @@ import titan_ulysses
 from dist_utils import run_distributed
 from helpers import BASE, layout
 from titan_ulysses.config.manager import load_config
+from titan_ulysses.metrics.profiling import trace_events
 
 PACKAGE = os.path.dirname(os.path.abspath(titan_ulysses.__file__))
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
@@ -51,8 +52,10 @@ def _reads_per_step(argv, folder):
     reads, current = [], [0]
     count_reads(reads, current)
     for sync_free in ("true", "false"):
-        trainer = Trainer(load_config(argv + ["--training.sync_free_step", sync_free,
-                                              "--job.dump_folder", f"{folder}-{sync_free}"]))
+        # the second run also writes a profiler trace of its last step (profile_freq 4: warmup 3, active 1)
+        profiling = ["--profiling.enable_profiling", "true", "--profiling.profile_freq", "4"] if sync_free == "false" else []
+        trainer = Trainer(load_config(argv + profiling + ["--training.sync_free_step", sync_free,
+                                                          "--job.dump_folder", f"{folder}-{sync_free}"]))
         step_fn = trainer.train_step
 
         def tracked(*args, step_fn=step_fn, trainer=trainer, **kwargs):  # what follows a step counts as that step's
@@ -72,6 +75,10 @@ def _reads_per_step(argv, folder):
         else:  # the old step: the guard is read before each update
             for step in (2, 3):
                 assert len(by_step[step]) == 1 and by_step[step][0].startswith("step.py"), (step, by_step[step])
+            traces = os.path.join(f"{folder}-{sync_free}", "profiling", "traces")
+            assert os.listdir(traces) == ["iteration_4"], os.listdir(traces)
+            events = trace_events(os.path.join(traces, "iteration_4", f"rank{trainer.rank}_trace.json"))
+            assert any(e.get("name", "").startswith("aten::") for e in events), "the trace holds no operator"
 
 
 def test_a_step_that_logs_nothing_reads_nothing(tmp_path):

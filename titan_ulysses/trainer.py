@@ -25,6 +25,7 @@ from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum
 from titan_ulysses.distributed.watchdog import set_timeouts
 from titan_ulysses.heldout import build_validator
 from titan_ulysses.metrics.logger import build_metrics_logger
+from titan_ulysses.metrics.profiling import StepGC, StepProfiler
 from titan_ulysses.metrics.startup import startup_line
 from titan_ulysses.metrics.step_log import StepLog
 from titan_ulysses.metrics.system import WaitTimer
@@ -249,6 +250,8 @@ class Trainer:
         data_iter = iter(self.dataloader)
         torch.set_rng_state(rng)
         first_step = True
+        profiler = StepProfiler(self.config.profiling, self.config.job.dump_folder, self.rank, self.step, self.device.type)
+        collector = StepGC(t.gc_freq)  # after start-up: its objects are frozen
         self.step_log.start()
         try:
             while self.step < t.steps:
@@ -261,6 +264,8 @@ class Trainer:
                         set_timeouts(self.config.comm.train_timeout_seconds, exclude=(self.checkpointer.group,))
                     stop_slice_checks(self.model)  # the first step's slices passed; every later one has their shape
                 first_step = False
+                profiler.step(self.step)
+                collector.step(self.step)
                 if self.step_log.due(self.step):
                     self.metrics.log(self.step_log.record(self.step, out, lr, self.data_wait.take(), self.model,
                                                           self.optimizer))
@@ -284,6 +289,8 @@ class Trainer:
                                f"({getattr(self.config.comm, limit.split('.')[1])}s) for another rank: one stalled or "
                                f"died (see its log); the newest checkpoint is the one to resume from") from e
         finally:
+            profiler.close()
+            collector.close()
             self.checkpointer.close()
             self.metrics.close()
             self._release_locks()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from titan_ulysses.config.profiling import Profiling
+
 
 @dataclass
 class Job:
@@ -382,6 +384,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
     lora: LoRA = field(default_factory=LoRA)
+    profiling: Profiling = field(default_factory=Profiling)
 
 
 # Settings with a fixed set of values.
