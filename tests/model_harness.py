@@ -11,7 +11,8 @@ from dist_utils import assert_close
 
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.distributed.utils import forward_backward, load_full_state_dict
+from titan_ulysses.distributed.utils import load_full_state_dict
+from titan_ulysses.step import forward_backward
 from titan_ulysses.models.registry import build_model
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.model import Transformer

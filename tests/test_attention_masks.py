@@ -141,7 +141,8 @@ LONG = 33024  # B x S x S > 2**30: the length where sdpa's dense document mask u
 def _long_packed(layout):
     from model_harness import build_pair, clean_name, full, small_args
     from titan_ulysses.data.sharding import shard_batch
-    from titan_ulysses.distributed.utils import dist_sum, global_token_count
+    from titan_ulysses.distributed.utils import dist_sum
+    from titan_ulysses.step import global_token_count
     from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
     from titan_ulysses.ops.loss import IGNORE_INDEX, cross_entropy_sum
 

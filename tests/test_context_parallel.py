@@ -27,7 +27,8 @@ from titan_ulysses.preflight import validate
 from titan_ulysses.data.sharding import check_seq_len, load_balanced_order, shard_batch
 from titan_ulysses.distributed.context_parallel import cp_mask
 from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.distributed.utils import dist_sum, global_token_count
+from titan_ulysses.distributed.utils import dist_sum
+from titan_ulysses.step import global_token_count
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 from titan_ulysses.ops.attention import build_attention_mask
 from titan_ulysses.ops.loss import IGNORE_INDEX, cross_entropy_sum

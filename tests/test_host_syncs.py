@@ -1,11 +1,14 @@
-"""A step that logs nothing reads the device once: the non-finite guard, which reads the loss, the
-gradient norm and the preemption flag together (the trainer's ``_read_guard`` says why it must).
+"""A step that logs nothing reads nothing from the device (``training.sync_free_step``): the non-finite
+skip is decided on the device (``step.StepGuard``'s ``found_inf``, taken by the fused AdamW), and the
+guard -- loss, gradient norm, the skip and the preemption flag -- is read one step late, when the
+device has finished it. With ``sync_free_step`` false the guard is read before every update (the old step).
 
 On CPU nothing waits, so reads stand in for host syncs: a value read out of a tensor (``item``,
 ``tolist``, ``bool`` / ``float`` / ``int``, ``numpy``) by our own code. On CUDA each such read
-blocks the host until the device has caught up, and the next step's kernels cannot queue.
-Not covered here (passkey rows hold one document): packed rows add one read per microbatch,
-where the attention mask cuts the documents on the host (``ops/attention/masks.py``).
+blocks the host until the device has caught up, and the next step's kernels cannot queue. A read of
+an earlier step's guard (``StepGuard.read`` of a smaller step number) is "late": on CUDA it waits on
+a copy the device finished a step ago. Not covered here (passkey rows hold one document): packed rows
+add one read per microbatch, where the attention mask cuts the documents on the host (``ops/attention/masks.py``).
 """
 
 import os
@@ -17,18 +20,24 @@ import titan_ulysses
 from dist_utils import run_distributed
 from helpers import BASE, layout
 from titan_ulysses.config.manager import load_config
+from titan_ulysses.metrics.profiling import trace_events
 
 PACKAGE = os.path.dirname(os.path.abspath(titan_ulysses.__file__))
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
 
 
 def count_reads(reads: list, current: list):
-    """Patch torch.Tensor's reads to append (current step, where) for each call from the package."""
+    """Patch torch.Tensor's reads to append (current step, where) for each call from the package;
+    ``where`` starts with "late " for a read of an earlier step's guard."""
+    from titan_ulysses.step import StepGuard
+
     def counting(name, read):
         def counted(self, *args, **kwargs):
             frame = sys._getframe(1)
             if frame.f_code.co_filename.startswith(PACKAGE):
-                where = f"{os.path.relpath(frame.f_code.co_filename, PACKAGE)}:{frame.f_lineno} {name}"
+                guard = frame.f_locals.get("self")
+                late = isinstance(guard, StepGuard) and frame.f_code.co_name == "read" and guard.number < current[0]
+                where = f"{'late ' if late else ''}{os.path.relpath(frame.f_code.co_filename, PACKAGE)}:{frame.f_lineno} {name}"
                 reads.append((current[0], where))
             return read(self, *args, **kwargs)
         return counted
@@ -40,24 +49,39 @@ def count_reads(reads: list, current: list):
 def _reads_per_step(argv, folder):
     from titan_ulysses.trainer import Trainer
 
-    trainer = Trainer(load_config(argv + ["--job.dump_folder", folder]))
     reads, current = [], [0]
-    step_fn = trainer.train_step
-
-    def tracked(*args, **kwargs):  # what follows a step (its line, the save) counts as that step's
-        current[0] = trainer.step + 1
-        return step_fn(*args, **kwargs)
-
-    trainer.train_step = tracked
     count_reads(reads, current)
-    trainer.train()
-    by_step = {step: [where for s, where in reads if s == step] for step in (1, 2, 3)}
-    assert by_step[1] and by_step[3], f"the logging steps read nothing: is the counter on? {reads}"
-    assert len(by_step[2]) == 1, f"step 2 logs nothing, yet reads the device {len(by_step[2])} times: {by_step[2]}"
-    assert "trainer.py" in by_step[2][0], by_step[2]
+    for sync_free in ("true", "false"):
+        # the second run also writes a profiler trace of its last step (profile_freq 4: warmup 3, active 1)
+        profiling = ["--profiling.enable_profiling", "true", "--profiling.profile_freq", "4"] if sync_free == "false" else []
+        trainer = Trainer(load_config(argv + profiling + ["--training.sync_free_step", sync_free,
+                                                          "--job.dump_folder", f"{folder}-{sync_free}"]))
+        step_fn = trainer.train_step
+
+        def tracked(*args, step_fn=step_fn, trainer=trainer, **kwargs):  # what follows a step counts as that step's
+            current[0] = trainer.step + 1
+            return step_fn(*args, **kwargs)
+
+        trainer.train_step = tracked
+        reads.clear()
+        trainer.train()
+        current[0] = 0
+        by_step = {step: [where for s, where in reads if s == step] for step in (1, 2, 3, 4)}
+        assert by_step[1] and by_step[4], f"the logging steps read nothing: is the counter on? {reads}"
+        if sync_free == "true":
+            assert not by_step[2], f"step 2 logs nothing, yet reads the device: {by_step[2]}"
+            assert len(by_step[3]) == 1 and by_step[3][0].startswith("late step.py"), \
+                f"step 3 should read only step 2's guard, late: {by_step[3]}"
+        else:  # the old step: the guard is read before each update
+            for step in (2, 3):
+                assert len(by_step[step]) == 1 and by_step[step][0].startswith("step.py"), (step, by_step[step])
+            traces = os.path.join(f"{folder}-{sync_free}", "profiling", "traces")
+            assert os.listdir(traces) == ["iteration_4"], os.listdir(traces)
+            events = trace_events(os.path.join(traces, "iteration_4", f"rank{trainer.rank}_trace.json"))
+            assert any(e.get("name", "").startswith("aten::") for e in events), "the trace holds no operator"
 
 
-def test_a_step_that_logs_nothing_reads_the_device_once(tmp_path):
-    # log_freq 10 over 3 steps: steps 1 and 3 (the first and the last) log, step 2 does not
-    argv = BASE + layout(sp=2) + ["--training.steps", "3", "--metrics.log_freq", "10", "--checkpoint.enable", "false"]
+def test_a_step_that_logs_nothing_reads_nothing(tmp_path):
+    # log_freq 10 over 4 steps: steps 1 and 4 (the first and the last) log, steps 2 and 3 do not
+    argv = BASE + layout(sp=2) + ["--training.steps", "4", "--metrics.log_freq", "10", "--checkpoint.enable", "false"]
     run_distributed(_reads_per_step, 2, argv, str(tmp_path / "run"))

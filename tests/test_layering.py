@@ -64,31 +64,36 @@ def test_the_decoder_and_the_families_are_not_distributed():
         assert not dist, f"{os.path.relpath(path, ROOT)} imports {sorted(dist)}; parallelism belongs in parallelize.py"
 
 
-DISTRIBUTED_USES_OF_MODELS = {"utils.py": {"titan_ulysses.models.moe.aux_loss",
-                                            "titan_ulysses.models.moe.aux_loss.load_balancing_loss"}}
-"""The one use left: ``forward_backward``'s aux-loss share, which moves to ``step.py`` (above both)."""
-
-
 def test_distributed_imports_nothing_of_the_models():
     """What ``distributed/`` needs of a model is a contract both import from ``ops/`` (``ops/attention/contracts.py``,
     ``ops/routed_experts.py``, ``ops/layer_stats.py``): base classes, whose ``isinstance`` answers alike on every
     Python, never a model's own classes."""
     assert len(files("distributed")) >= 15
     for path in files("distributed"):
-        allowed = DISTRIBUTED_USES_OF_MODELS.get(os.path.relpath(path, os.path.join(PACKAGE, "distributed")), set())
-        models = {n for n in imported(path) if n.startswith("titan_ulysses.models")} - allowed
+        models = {n for n in imported(path) if n.startswith("titan_ulysses.models")}
         assert not models, f"{os.path.relpath(path, ROOT)} imports {sorted(models)}; put the contract in ops/"
 
 
+def test_the_step_sits_above_models_and_distributed():
+    """``step.py`` (``forward_backward``, the loss convention, the non-finite guard) uses ``models/`` and
+    ``distributed/``; no package below it imports it back."""
+    below = ("config", "ops", "distributed", "models", "data", "interop", "checkpoint", "runs", "metrics")
+    paths = [p for folder in below for p in files(folder)]
+    assert len(paths) > 50
+    for path in paths:
+        step = {n for n in imported(path) if n.split(".")[1] == "step"}
+        assert not step, f"{os.path.relpath(path, ROOT)} imports {sorted(step)}, which sits above it"
+
+
 STEP_TIME = ("config", "models", "distributed", "ops", "data", "checkpoint", "interop", "runs", "metrics", "integrations")
-"""The packages a training step runs (and ``optim.py``, ``heldout.py``)."""
-PLANNING_USES = {"config", "models", "distributed", "ops", "data", "checkpoint", "interop", "optim", "planning"}
+"""The packages a training step runs (and ``optim.py``, ``heldout.py``, ``step.py``)."""
+PLANNING_USES = {"config", "models", "distributed", "ops", "data", "checkpoint", "interop", "optim", "step", "planning"}
 """What the planner may import: the packages whose behaviour it models or reads, and itself."""
 
 
 def test_no_step_time_module_imports_the_planner():
     paths = [p for folder in STEP_TIME for p in files(folder)]
-    paths += [os.path.join(PACKAGE, name) for name in ("optim.py", "heldout.py")]
+    paths += [os.path.join(PACKAGE, name) for name in ("optim.py", "heldout.py", "step.py")]
     assert len(paths) > 50
     for path in paths:
         planner = {n for n in imported(path) if n.startswith("titan_ulysses.planning")}

@@ -12,7 +12,7 @@ from test_moe_families import MOE_VARIANTS, as_saved, hf_moe
 from titan_ulysses.interop.hf_adapter import from_hf
 from titan_ulysses.data.sharding import shard_batch
 from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.distributed.utils import forward_backward
+from titan_ulysses.step import forward_backward
 from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 from titan_ulysses.interop.hf_config import args_from_hf_config

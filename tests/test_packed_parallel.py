@@ -21,7 +21,8 @@ from titan_ulysses.data.build import build_dataset
 from titan_ulysses.data.sharding import shard_loader_batch
 from titan_ulysses.data.tokenizer import ByteTokenizer
 from titan_ulysses.distributed.parallel_dims import ParallelDims
-from titan_ulysses.distributed.utils import dist_sum, global_token_count
+from titan_ulysses.distributed.utils import dist_sum
+from titan_ulysses.step import global_token_count
 from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 from titan_ulysses.ops.attention import build_attention_mask
 from titan_ulysses.ops.loss import IGNORE_INDEX

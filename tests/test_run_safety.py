@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
@@ -36,16 +37,30 @@ def _train(argv, hook=None):
     if hook == "nan_lr":  # what `--lr_scheduler.min_lr_factor nan` did before validation refused it
         for group in trainer.optimizer.param_groups:
             group["lr"] = float("nan")
-    if hook == "nan_grad_at_2":
+    if hook in ("nan_grad_at_2", "nan_grad_rank1_at_2"):
         import titan_ulysses.trainer as trainer_module
 
         real_clip = trainer_module.clip_grad_norm_
 
         def nan_norm(params, max_norm):
             norm = real_clip(params, max_norm)
-            return norm * float("nan") if trainer.step == 1 else norm
+            nan = trainer.step == 1 and (hook == "nan_grad_at_2" or dist.get_rank() == 1)
+            return norm * float("nan") if nan else norm
 
         trainer_module.clip_grad_norm_ = nan_norm
+    if hook == "nan_grad_rank1_at_2":  # step 2's update must leave every rank's weights and optimizer as they were
+        step_fn = trainer.train_step
+
+        def unchanged(data_iter):
+            before = _state(trainer) if trainer.step == 1 else None
+            out = step_fn(data_iter)
+            if before is not None:
+                after = _state(trainer)
+                changed = [name for name in before if not torch.equal(before[name], after[name])]
+                assert not changed and before.keys() == after.keys(), f"rank {dist.get_rank()}: {changed[:4]}"
+            return out
+
+        trainer.train_step = unchanged
     if hook == "disk_full_at_4":
         from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -71,6 +86,19 @@ def _train(argv, hook=None):
 
         trainer.train_step = stall
     trainer.train()
+
+
+def _state(trainer) -> dict:
+    """This rank's shards of the weights and of the optimizer's state (moments and step counts), copied."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    out = {f"model.{k}": local(v) for k, v in trainer.model.state_dict().items()}
+    for i, state in enumerate(trainer.optimizer.state.values()):
+        out.update({f"optimizer.{i}.{k}": local(v) for k, v in state.items()})
+    return out
 
 
 def run(argv, folder, hook=None, world=2):
@@ -102,12 +130,15 @@ def test_nan_lr_on_resume_saves_nothing_and_a_lower_lr_is_applied(tmp_path, capf
     assert os.path.isfile(folder / "checkpoint" / "step-3" / "manifest.json")
 
 
-def test_a_nonfinite_grad_norm_skips_the_update_or_stops(tmp_path):
-    metrics = run(["--training.steps", "3", "--training.skip_nonfinite_steps", "1"], tmp_path / "skip",
-                  "nan_grad_at_2")
-    assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[1].get("skipped") and "skipped" not in metrics[2]
+def test_a_nonfinite_grad_norm_skips_the_update_or_stops(tmp_path, capfd):
+    # step 2 neither logs nor saves: its skip is decided on the device alone (sync_free_step) and read at step 3;
+    # rank 1 alone sees the NaN, yet both skip (the hook checks that weights and optimizer state are bit-identical)
+    metrics = run(["--training.steps", "3", "--training.skip_nonfinite_steps", "1", "--metrics.log_freq", "10",
+                   "--checkpoint.interval", "10"], tmp_path / "skip", "nan_grad_rank1_at_2")
+    assert "another rank's loss or gradient norm is NaN/inf at step 2 (loss " in capfd.readouterr().out  # rank 0's
+    assert [m["step"] for m in metrics] == [1, 3] and "skipped" not in metrics[1]
     # the schedule did not advance over the skipped step: step 3 uses step 2's learning rate
-    assert metrics[2]["lr"] == metrics[1]["lr"] == pytest.approx(2e-3)
+    assert metrics[1]["lr"] == pytest.approx(2e-3)
     with pytest.raises(Exception, match=r"gradient norm is nan at step 2 \(loss .*\); stopping before the optimizer "
                                         r"step, nothing saved; no checkpoint has been saved yet"):
         run(["--training.steps", "3"], tmp_path / "stop", "nan_grad_at_2")

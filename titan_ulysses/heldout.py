@@ -14,7 +14,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from titan_ulysses.data.sharding import shard_loader_batch
-from titan_ulysses.distributed.utils import forward_backward
+from titan_ulysses.step import forward_backward
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -21,6 +21,7 @@ from titan_ulysses.distributed.float8 import check_float8, float8_options
 from titan_ulysses.distributed.heads import check_heads
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.distributed.staged_attention import check_head_stages
+from titan_ulysses.metrics.profiling import check_memory_snapshot
 from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.moe.checks import check_moe
 from titan_ulysses.models.registry import check_compute
@@ -100,6 +101,8 @@ CHECKS: tuple[tuple[str, Callable[[Run], None], str], ...] = (
      lambda r: check_attention_settings(r.config.model.attn_backend, r.config.model.sdpa_backends, r.dims.cp), "{e}"),
     ("the global batch over dp", _batch, "{e}"),
     ("distributed/float8.py: this machine and layout", _float8, "{e}"),
+    ("metrics/profiling.py: memory snapshots need CUDA",
+     lambda r: check_memory_snapshot(r.config.profiling.enable_memory_snapshot), "{e}"),
 )
 
 

@@ -22,16 +22,18 @@ from titan_ulysses.distributed.float8 import precompute_float8_scales
 from titan_ulysses.distributed.lora import parameter_counts
 from titan_ulysses.distributed.setup import build_mesh, join_job
 from titan_ulysses.distributed.ulysses import stop_slice_checks
-from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum, forward_backward
+from titan_ulysses.distributed.utils import clip_grad_norm_, dist_sum
 from titan_ulysses.distributed.watchdog import set_timeouts
 from titan_ulysses.heldout import build_validator
 from titan_ulysses.metrics.logger import build_metrics_logger
+from titan_ulysses.metrics.profiling import StepGC, StepProfiler
 from titan_ulysses.metrics.startup import startup_line
 from titan_ulysses.metrics.step_log import StepLog
 from titan_ulysses.metrics.system import WaitTimer
 from titan_ulysses.models.build import build_parallel_model
 from titan_ulysses.optim import build_optimizers, follow_config
 from titan_ulysses.preflight import check_device, check_launch
+from titan_ulysses.step import StepGuard, forward_backward, optimizer_step, takes_found_inf
 
 
 class NonFiniteLossError(RuntimeError):
@@ -102,6 +104,11 @@ class Trainer:
         self.resumed = resumed  # what the resume changed, as the start-up line says it
         # logging and evaluation
         self.nonfinite_in_a_row = 0
+        # the skip decision stays on the device (fused AdamW's found_inf); the foreach AdamW (a device
+        # that is neither CUDA nor CPU) takes none, and its step is read on the host as with sync_free_step false
+        self.sync_free = t.sync_free_step and takes_found_inf(self.optimizer)
+        self.pending: StepGuard | None = None
+        """The last step's guard, not read yet (sync_free_step): read before the next update."""
         self._signalled = False  # SIGTERM / SIGUSR1 reached this rank
         self.preempted = False
         """Some rank was signalled before this step's guard read: every rank saves this step and stops."""
@@ -130,64 +137,100 @@ class Trainer:
         self._signalled = True
 
     def train_step(self, data_iter) -> dict:
-        """One optimizer step; returns its numbers. The device is read once (:meth:`_read_guard`);
-        when the step's line is due, the step's token counts are reduced and read too."""
+        """One optimizer step; returns its numbers. With ``training.sync_free_step`` nothing is read from
+        the device unless the step logs, saves, validates or ends the run (:meth:`_reads_now`): the
+        update is skipped on the device when non-finite (:class:`StepGuard`), and the host reads the
+        guard one step late, before the next update. Without it the guard is read before the update."""
         pd = self.parallel_dims
+        number = self.step + 1
         microbatches, counts = self.batches.next(data_iter)
         step = forward_backward(self.model, microbatches, pd.get_mesh("loss"))
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
-        global_loss, grad_norm, aux = self._read_guard(step, grad_norm)
+        guard = StepGuard(step, grad_norm, self._signalled, number, decide=not self.fake)
+        if self.pending is not None:  # the last step, read now that this one's work is queued
+            pending, self.pending = self.pending, None
+            if self._settle(pending, pending.read()[0]):
+                self.lr_scheduler.step()
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         lr = next((x for x in lrs if not math.isfinite(x)), lrs[0])
-        objective = global_loss + (step.aux_coef * aux if step.aux_coef else 0.0)
-        if not self.fake and not all(map(math.isfinite, (objective, grad_norm, lr))):
-            # every rank sees the same reduced loss, norm and lr: all skip or all stop
-            self.optimizer.zero_grad(set_to_none=True)
-            self._nonfinite_step(objective, grad_norm, lr)
-            return {"loss": global_loss, "grad_norm": grad_norm, "skipped": True}
-        self.nonfinite_in_a_row = 0
-        self.optimizer.step()
+        if not self.fake and not math.isfinite(lr):  # the host's own number: stop before the update
+            values = guard.read()[0]
+            self._nonfinite_step(StepGuard.objective(values, guard.aux_coef), values[StepGuard.GRAD_NORM], lr)
+        extra = self._log_counts(counts, step) if self.step_log.due(number) else None
+        if not self.sync_free:  # the old order: read, decide on the host, then update or not
+            values, read = guard.read(extra)
+            applied = self._settle(guard, values)
+            if applied:
+                self.optimizer.step()
+        else:
+            optimizer_step(self.optimizer, guard.found_inf)
+            applied = None
         precompute_float8_scales(self.model, self.float8)
-        self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = {"loss": global_loss, "grad_norm": grad_norm}
-        if step.aux is not None:  # a mixture of experts: the objective was loss + aux_coef * aux_loss
-            out["aux_loss"] = aux
-        if self.step_log.due(self.step + 1):
-            # every sp rank of a dp group loaded the same rows: count them over dp only
-            counts = dist_sum(counts.to(self.device), pd.get_mesh("dp"))
-            read = torch.cat([counts, step.tokens.double()[None]] + ([] if step.expert_counts is None else [
-                step.expert_counts.max()[None] / step.expert_counts.mean().clamp(min=1e-9)]))
-            pad, total_tokens, truncated, loss_tokens, *load = read.tolist()
+        if self.sync_free:
+            if not self._reads_now(number):
+                self.pending = guard.to_host()
+                return {"lr": lr}
+            values, read = guard.read(extra)
+            applied = self._settle(guard, values)
+        if applied:
+            self.lr_scheduler.step()
+        return self._numbers(guard, values, read, applied, lr)
+
+    def _reads_now(self, number: int) -> bool:
+        """Whether step ``number``'s guard is read at its end: it logs, saves, validates or is the last,
+        or a rank was signalled (it saves); else it is read one step late."""
+        ck = self.checkpointer
+        return (self.step_log.due(number) or number == self.config.training.steps or self.preempted
+                or (ck.enable and number % ck.interval == 0)
+                or (self.validator is not None and self.validator.due(number)))
+
+    def _log_counts(self, counts: torch.Tensor, step) -> torch.Tensor:
+        """The step line's token counts (and expert balance), reduced, to be read with the guard."""
+        # every sp rank of a dp group loaded the same rows: count them over dp only
+        counts = dist_sum(counts.to(self.device), self.parallel_dims.get_mesh("dp"))
+        return torch.cat([counts, step.tokens.double()[None]] + ([] if step.expert_counts is None else [
+            step.expert_counts.max()[None] / step.expert_counts.mean().clamp(min=1e-9)]))
+
+    def _numbers(self, guard: StepGuard, values: list[float], read: list[float], applied: bool, lr: float) -> dict:
+        out = {"loss": values[StepGuard.LOSS], "grad_norm": values[StepGuard.GRAD_NORM], "lr": lr}
+        if not applied:
+            out["skipped"] = True
+            return out
+        if guard.has_aux:  # a mixture of experts: the objective was loss + aux_coef * aux_loss
+            out["aux_loss"] = values[StepGuard.AUX]
+        if read:
+            pad, total_tokens, truncated, loss_tokens, *load = read
             if load:  # the busiest expert's assignments over the mean (summed over layers): 1 is balanced
                 out["expert_load_max_over_mean"] = load[0]
             out.update(loss_tokens=int(loss_tokens), padding=pad / max(total_tokens, 1.0), truncated=int(truncated),
                        dropped=self.data.stats.get("dropped", 0))  # samples left out of the dataset (run total)
         return out
 
-    def _read_guard(self, step, grad_norm: torch.Tensor) -> tuple[float, float, float]:
-        """The one read of the device every step needs: the reduced loss (and a mixture of experts'
-        load-balancing loss, 0 without) and gradient norm, which
-        decide before the optimizer step whether it may touch the weights (``_nonfinite_step``),
-        read together with whether any rank was signalled (a MAX over the world, so that every
-        rank saves and stops after the same step: :attr:`preempted`)."""
-        flag = torch.full((), 1.0 if self._signalled else 0.0, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        aux = torch.zeros((), device=self.device) if step.aux is None else step.aux.float()
-        loss, aux, grad_norm, flag = torch.stack([step.loss.float(), aux, grad_norm.float().to(self.device),
-                                                  flag]).tolist()
-        self.preempted = flag > 0
-        return loss, grad_norm, aux
+    def _settle(self, guard: StepGuard, values: list[float]) -> bool:
+        """Act on a step's read guard: note a signalled rank (every rank saves and stops after the
+        same step: :attr:`preempted`), and count a non-finite step as skipped or stop
+        (:meth:`_nonfinite_step`). Returns whether the update was applied (the schedule then advances)."""
+        self.preempted = self.preempted or values[StepGuard.SIGNALLED] > 0
+        if values[StepGuard.NONFINITE] > 0:
+            lr = self.optimizer.param_groups[0]["lr"]
+            self._nonfinite_step(StepGuard.objective(values, guard.aux_coef), values[StepGuard.GRAD_NORM], lr,
+                                 guard.number)
+            return False
+        self.nonfinite_in_a_row = 0
+        return True
 
-    def _nonfinite_step(self, global_loss: float, grad_norm: float, lr: float) -> None:
-        """Skip this step's update (``training.skip_nonfinite_steps`` in a row at most) or stop."""
-        step = self.step + 1
+    def _nonfinite_step(self, global_loss: float, grad_norm: float, lr: float, step: int | None = None) -> None:
+        """Skip step ``step``'s update (``training.skip_nonfinite_steps`` in a row at most) or stop."""
+        step = self.step + 1 if step is None else step
         if not math.isfinite(global_loss):
             what = f"loss is {global_loss} at step {step}"
         elif not math.isfinite(grad_norm):
             what = f"gradient norm is {grad_norm} at step {step} (loss {global_loss:.4f})"
-        else:
+        elif not math.isfinite(lr):
             what = f"learning rate is {lr} at step {step}"
+        else:  # this rank's numbers are finite: the world's decision came from another rank's
+            what = f"another rank's loss or gradient norm is NaN/inf at step {step} (loss {global_loss:.4f} here)"
         limit = self.config.training.skip_nonfinite_steps
         self.nonfinite_in_a_row += 1
         if math.isfinite(lr) and self.nonfinite_in_a_row <= limit:
@@ -212,18 +255,22 @@ class Trainer:
         data_iter = iter(self.dataloader)
         torch.set_rng_state(rng)
         first_step = True
+        profiler = StepProfiler(self.config.profiling, self.config.job.dump_folder, self.rank, self.step, self.device.type)
+        collector = StepGC(t.gc_freq)  # after start-up: its objects are frozen
         self.step_log.start()
         try:
             while self.step < t.steps:
-                lr = self.lr_scheduler.get_last_lr()[0]
                 out = self.train_step(data_iter)
+                lr = out.pop("lr")
                 self.step += 1
-                self.step_log.stepped(out["loss"])
+                self.step_log.stepped(out.get("loss"))
                 if first_step:
                     if not self.fake:  # start-up and compilation are over
                         set_timeouts(self.config.comm.train_timeout_seconds, exclude=(self.checkpointer.group,))
                     stop_slice_checks(self.model)  # the first step's slices passed; every later one has their shape
                 first_step = False
+                profiler.step(self.step)
+                collector.step(self.step)
                 if self.step_log.due(self.step):
                     self.metrics.log(self.step_log.record(self.step, out, lr, self.data_wait.take(), self.model,
                                                           self.optimizer))
@@ -247,6 +294,8 @@ class Trainer:
                                f"({getattr(self.config.comm, limit.split('.')[1])}s) for another rank: one stalled or "
                                f"died (see its log); the newest checkpoint is the one to resume from") from e
         finally:
+            profiler.close()
+            collector.close()
             self.checkpointer.close()
             self.metrics.close()
             self._release_locks()

@@ -15,7 +15,7 @@ try:
 except ImportError:  # Python < 3.11
     import tomli as tomllib
 
-from titan_ulysses.config import job_config
+from titan_ulysses.config import job_config, profiling
 from titan_ulysses.config.job_config import CHOICES, JobConfig
 from titan_ulysses.config.shipped import CONFIG_DIR, shipped_configs
 
@@ -32,10 +32,11 @@ a launch on N ranks makes, without starting it, and prints the plan (exit 0) or 
 
 
 def field_docs() -> dict[str, dict[str, str]]:
-    """class name -> field name -> the docstring under the field (attribute docstrings are not kept at runtime)."""
-    tree = ast.parse(inspect.getsource(job_config))
+    """class name -> field name -> the docstring under the field (attribute docstrings are not kept at runtime);
+    the sections of job_config.py and of the files beside it that hold one section each."""
     docs: dict[str, dict[str, str]] = {}
-    for node in tree.body:
+    nodes = [node for module in (job_config, profiling) for node in ast.parse(inspect.getsource(module)).body]
+    for node in nodes:
         if not isinstance(node, ast.ClassDef):
             continue
         fields = docs.setdefault(node.name, {})

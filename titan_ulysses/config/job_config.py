@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from titan_ulysses.config.profiling import Profiling
+
 
 @dataclass
 class Job:
@@ -174,6 +176,11 @@ class Training:
     """A step whose loss or gradient norm is NaN/inf never reaches the weights. Up to this many such
     steps in a row are skipped (weights, optimizer and schedule unchanged, the batch consumed, as
     torchtitan and Megatron do); the next one stops the run. 0 stops at the first."""
+    sync_free_step: bool = True
+    """Decide that skip on the device (fused AdamW's found_inf) and read loss and grad norm only on
+    steps that log or save, else one step late: the host never waits for the GPU. false: read every step."""
+    gc_freq: int = 50
+    """Python garbage collection only at step boundaries, every this many steps (torchtitan's name)."""
     mixed_precision_param: str = "bfloat16"
     """Dtype parameters are gathered in for compute: bfloat16 or float32."""
     mixed_precision_reduce: str = "float32"
@@ -377,6 +384,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
     lora: LoRA = field(default_factory=LoRA)
+    profiling: Profiling = field(default_factory=Profiling)
 
 
 # Settings with a fixed set of values.

@@ -13,6 +13,7 @@ except ImportError:  # Python < 3.11
 
 from titan_ulysses.config.job_config import CHOICES, JobConfig, LoRA, parse_lora_targets
 from titan_ulysses.config.metrics_settings import check_metrics
+from titan_ulysses.config.profiling import check_profiling
 from titan_ulysses.config.ranges import check_ranges
 from titan_ulysses.config.shipped import config_path, not_found
 
@@ -154,7 +155,7 @@ def check_config(config: JobConfig, world_size: int) -> int:
     against ``comm.fake_world_size``. The checks that need the model, the parallelism
     layout, this machine or the files a setting names are ``titan_ulysses/preflight.py``'s.
     """
-    refusal = check_ranges(config) or check_metrics(config.metrics)
+    refusal = check_ranges(config) or check_metrics(config.metrics) or check_profiling(config.profiling)
     if refusal:
         raise ConfigError(refusal)
     if config.comm.mode == "fake":

@@ -34,6 +34,11 @@ RANGES: dict[str, tuple] = {
     "training.seed": (0, 2**63 - 1, True, True),
     "training.max_norm": (0, None, True, False),  # 0 turns clipping off
     "training.skip_nonfinite_steps": (0, None, True, False),
+    "training.gc_freq": (0, None, True, False),  # 0: Python's automatic collection, as without it
+    "profiling.profile_freq": (1, None, True, False),
+    "profiling.profiler_warmup": (0, None, True, False),
+    "profiling.profiler_active": (1, None, True, False),
+    "profiling.memory_snapshot_freq": (0, None, True, False),  # 0 = profile_freq
     "optimizer.lr": (0, LR_MAX, False, True),
     "optimizer.weight_decay": (0, None, True, False),
     "optimizer.eps": (0, None, False, False),

@@ -6,7 +6,7 @@ sharded over it and gradients are reduced over it -- also when there is no data
 parallelism at all.
 
 Gradients are *summed*, not averaged: each rank's loss is already divided by the token
-count of the whole global batch (see ``distributed/utils.py``), so the sum over ranks is
+count of the whole global batch (see ``step.py``), so the sum over ranks is
 exactly the single-device gradient of the global mean loss, whatever the layout.
 """
 

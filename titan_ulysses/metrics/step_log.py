@@ -47,9 +47,11 @@ class StepLog:
         """Every ``metrics.log_freq`` steps, the first and the last."""
         return step % self.every == 0 or step == 1 or step == self.last_step
 
-    def stepped(self, loss: float) -> None:
+    def stepped(self, loss: float | None) -> None:
+        """A step ran; ``loss``: its loss, None where the step was not read (``training.sync_free_step``)."""
         self.steps_timed += 1
-        self.progress.last_loss = loss
+        if loss is not None:
+            self.progress.last_loss = loss
 
     def exclude(self, seconds: float) -> None:
         """Time that is not training throughput (evaluation)."""

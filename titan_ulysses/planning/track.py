@@ -171,11 +171,11 @@ def _track(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, 
 
 def _router_loss(model, dims, args: DecoderArgs, forwards: int):
     """A mixture of experts' share of the objective, formed as the trainer's step forms it
-    (``distributed/utils.forward_backward``, which the tracker cannot call: it names the loss's backward apart):
+    (``step.forward_backward``, which the tracker cannot call: it names the loss's backward apart):
     the routing statistics taken off the model (held, their graph -- under AC every block's checkpointed
     inputs, which the unused branch never unpacks -- would live on into the next step's forward), the
     load-balancing loss over the ``loss`` mesh, ``aux_loss_coef`` x it over the step's forwards."""
-    from titan_ulysses.distributed.utils import router_aux_share
+    from titan_ulysses.step import router_aux_share
 
     stats, model.router_stats = getattr(model, "router_stats", None), None
     if stats is None or args.moe is None:

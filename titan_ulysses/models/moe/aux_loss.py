@@ -5,7 +5,7 @@ assignments and ``P_e`` the mean probability of expert ``e`` over the counted to
 of every layer). Only ``P_e`` carries a gradient. Sharded over ranks (dp, cp, sp; ep moves
 no router work), ``f_e`` and the row count are global sums, so each rank's share is
 ``E * sum_e f_e * prob_sum_e / rows_total``; the shares add up to the single-device loss,
-the convention of ``distributed/utils.py``.
+the convention of ``step.py``.
 """
 
 from __future__ import annotations
