@@ -17,6 +17,7 @@ from titan_ulysses.config.manager import ConfigError, resolved_global_batch_size
 from titan_ulysses.config.resume import overrides, resume_changes, resume_settings
 from titan_ulysses.data.build import build_data
 from titan_ulysses.data.microbatches import StepBatches
+from titan_ulysses.data.prefetch import StepStream
 from titan_ulysses.distributed.float8 import precompute_float8_scales
 from titan_ulysses.distributed.lora import parameter_counts
 from titan_ulysses.distributed.setup import build_mesh, join_job
@@ -64,13 +65,13 @@ class Trainer:
         self.tokenizer = self.spec.tokenizer_object
         self.data = build_data(config, self.tokenizer, dp.get_local_rank(), dp.size(), self.global_batch_size,
                                fake=self.fake)
-        self.dataloader = self.data.dataloader
         self.use_doc_mask = self.data.packed  # packed rows hold several documents: attention masks per document
         self.data_wait = WaitTimer()
         sp, cp = pd.get_mesh("sp"), pd.get_mesh("cp")
         self.batches = StepBatches(self.accumulation_steps, sp.get_local_rank(), sp.size(), cp.get_local_rank(),
-                                   cp.size(), self.device, self.use_doc_mask, self.tokenizer.pad_id,
-                                   fetch=self.data_wait.next)
+                                   cp.size(), self.device, self.use_doc_mask, self.tokenizer.pad_id)
+        # steps prepared ahead by a thread; its state (checkpointed) is the loader's after the steps consumed
+        self.dataloader = StepStream(self.data.dataloader, self.batches, t.prefetch_batches)
         # model
         self.args = self.spec.args
         self.model, self.compute, options = build_parallel_model(config, self.args, pd, self.device)
@@ -128,7 +129,7 @@ class Trainer:
         """One optimizer step; returns its numbers. The device is read once (:meth:`_read_guard`);
         when the step's line is due, the step's token counts are reduced and read too."""
         pd = self.parallel_dims
-        microbatches, counts = self.batches.next(data_iter)
+        microbatches, counts = self.data_wait.next(data_iter)  # the wait for the step's data
         step = forward_backward(self.model, microbatches, pd.get_mesh("loss"))
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
         global_loss, grad_norm, aux = self._read_guard(step, grad_norm)
@@ -242,6 +243,7 @@ class Trainer:
                                f"({getattr(self.config.comm, limit.split('.')[1])}s) for another rank: one stalled or "
                                f"died (see its log); the newest checkpoint is the one to resume from") from e
         finally:
+            self.dataloader.close()  # the prefetch thread stops, at the end and on an error
             self.checkpointer.close()
             self.metrics.close()
             self._release_locks()

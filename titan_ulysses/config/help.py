@@ -32,10 +32,11 @@ a launch on N ranks makes, without starting it, and prints the plan (exit 0) or 
 
 
 def field_docs() -> dict[str, dict[str, str]]:
-    """class name -> field name -> the docstring under the field (attribute docstrings are not kept at runtime)."""
-    tree = ast.parse(inspect.getsource(job_config))
+    """class name -> field name -> the docstring under the field (attribute docstrings are not kept at runtime),
+    read from job_config.py and the module of every section or table defined in a file of its own."""
     docs: dict[str, dict[str, str]] = {}
-    for node in tree.body:
+    nodes = [node for module in _section_modules() for node in ast.parse(inspect.getsource(module)).body]
+    for node in nodes:
         if not isinstance(node, ast.ClassDef):
             continue
         fields = docs.setdefault(node.name, {})
@@ -45,6 +46,21 @@ def field_docs() -> dict[str, dict[str, str]]:
                     and isinstance(item.value.value, str)):
                 fields[prev.target.id] = inspect.cleandoc(item.value.value)
     return docs
+
+
+def _section_modules() -> list:
+    """job_config and the modules of the dataclasses reachable from JobConfig (e.g. hf_dataset.py)."""
+    modules, todo, seen = [job_config], [JobConfig], set()
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        module = sys.modules[cls.__module__]
+        if module not in modules:
+            modules.append(module)
+        todo += [f.default_factory for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.default_factory)]
+    return modules
 
 
 def _description(path: str) -> str:

@@ -34,6 +34,7 @@ RANGES: dict[str, tuple] = {
     "training.seed": (0, 2**63 - 1, True, True),
     "training.max_norm": (0, None, True, False),  # 0 turns clipping off
     "training.skip_nonfinite_steps": (0, None, True, False),
+    "training.prefetch_batches": (0, 64, True, True),  # 0 = synchronous; each step ahead holds its batches
     "optimizer.lr": (0, LR_MAX, False, True),
     "optimizer.weight_decay": (0, None, True, False),
     "optimizer.eps": (0, None, False, False),
