@@ -205,14 +205,17 @@ def trial_main(spec: dict) -> int:
         return {"input": tokens[:, :-1], "labels": tokens[:, 1:], "positions": torch.arange(s)[None],
                 "document_ids": torch.zeros(1, s, dtype=torch.long)}
 
-    t.train_step(iter([batch(spec["warm_len"])]))
+    def steps(s: int):  # the trainer takes steps: (microbatches on the device, counts)
+        return iter([t.batches.next(iter([batch(s)]))])
+
+    t.train_step(steps(spec["warm_len"]))
     if cuda:  # what the warm-up left cached would otherwise hide the step's own peak
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
-        t.train_step(iter([batch(spec["seq_len"])]))
+        t.train_step(steps(spec["seq_len"]))
         if cuda:
             torch.cuda.synchronize()
         out = {"peak_allocated": torch.cuda.max_memory_allocated() if cuda else 0,

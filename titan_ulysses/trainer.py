@@ -18,6 +18,7 @@ from titan_ulysses.config.manager import ConfigError, resolved_global_batch_size
 from titan_ulysses.config.resume import overrides, resume_changes, resume_settings
 from titan_ulysses.data.build import build_data
 from titan_ulysses.data.microbatches import StepBatches
+from titan_ulysses.data.prefetch import StepStream
 from titan_ulysses.distributed.float8 import precompute_float8_scales
 from titan_ulysses.distributed.lora import parameter_counts
 from titan_ulysses.distributed.setup import build_mesh, join_job
@@ -67,13 +68,13 @@ class Trainer:
         self.tokenizer = self.spec.tokenizer_object
         self.data = build_data(config, self.tokenizer, dp.get_local_rank(), dp.size(), self.global_batch_size,
                                fake=self.fake)
-        self.dataloader = self.data.dataloader
         self.use_doc_mask = self.data.packed  # packed rows hold several documents: attention masks per document
         self.data_wait = WaitTimer()
         sp, cp = pd.get_mesh("sp"), pd.get_mesh("cp")
         self.batches = StepBatches(self.accumulation_steps, sp.get_local_rank(), sp.size(), cp.get_local_rank(),
-                                   cp.size(), self.device, self.use_doc_mask, self.tokenizer.pad_id,
-                                   fetch=self.data_wait.next)
+                                   cp.size(), self.device, self.use_doc_mask, self.tokenizer.pad_id)
+        # steps prepared ahead by a thread; its state (checkpointed) is the loader's after the steps consumed
+        self.dataloader = StepStream(self.data.dataloader, self.batches, t.prefetch_batches)
         # model
         self.args = self.spec.args
         self.model, self.compute, options = build_parallel_model(config, self.args, pd, self.device)
@@ -143,7 +144,7 @@ class Trainer:
         guard one step late, before the next update. Without it the guard is read before the update."""
         pd = self.parallel_dims
         number = self.step + 1
-        microbatches, counts = self.batches.next(data_iter)
+        microbatches, counts = self.data_wait.next(data_iter)  # the wait for the step's data
         step = forward_backward(self.model, microbatches, pd.get_mesh("loss"))
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
         guard = StepGuard(step, grad_norm, self._signalled, number, decide=not self.fake)
@@ -296,6 +297,7 @@ class Trainer:
         finally:
             profiler.close()
             collector.close()
+            self.dataloader.close()  # the prefetch thread stops, at the end and on an error
             self.checkpointer.close()
             self.metrics.close()
             self._release_locks()

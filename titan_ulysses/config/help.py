@@ -15,7 +15,7 @@ try:
 except ImportError:  # Python < 3.11
     import tomli as tomllib
 
-from titan_ulysses.config import job_config, profiling
+from titan_ulysses.config import job_config
 from titan_ulysses.config.job_config import CHOICES, JobConfig
 from titan_ulysses.config.shipped import CONFIG_DIR, shipped_configs
 
@@ -32,10 +32,10 @@ a launch on N ranks makes, without starting it, and prints the plan (exit 0) or 
 
 
 def field_docs() -> dict[str, dict[str, str]]:
-    """class name -> field name -> the docstring under the field (attribute docstrings are not kept at runtime);
-    the sections of job_config.py and of the files beside it that hold one section each."""
+    """class name -> field name -> the docstring under the field (attribute docstrings are not kept at runtime),
+    read from job_config.py and the module of every section or table defined in a file of its own."""
     docs: dict[str, dict[str, str]] = {}
-    nodes = [node for module in (job_config, profiling) for node in ast.parse(inspect.getsource(module)).body]
+    nodes = [node for module in _section_modules() for node in ast.parse(inspect.getsource(module)).body]
     for node in nodes:
         if not isinstance(node, ast.ClassDef):
             continue
@@ -46,6 +46,21 @@ def field_docs() -> dict[str, dict[str, str]]:
                     and isinstance(item.value.value, str)):
                 fields[prev.target.id] = inspect.cleandoc(item.value.value)
     return docs
+
+
+def _section_modules() -> list:
+    """job_config and the modules of the dataclasses reachable from JobConfig (e.g. hf_dataset.py)."""
+    modules, todo, seen = [job_config], [JobConfig], set()
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        module = sys.modules[cls.__module__]
+        if module not in modules:
+            modules.append(module)
+        todo += [f.default_factory for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.default_factory)]
+    return modules
 
 
 def _description(path: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titan_ulysses.config.profiling import Profiling
+from titan_ulysses.config.hf_dataset import HFDataset  # noqa: F401  (re-exported: [training.hf_dataset])
 
 
 @dataclass
@@ -109,26 +110,6 @@ class Parallelism:
 
 
 @dataclass
-class HFDataset:
-    """[training.hf_dataset]: the training rows from the `datasets` library instead of local files."""
-
-    name: str = ""
-    """A `datasets` name (org/name, from the Hub or its cache) or a local folder (one that
-    Dataset.save_to_disk wrote, or data files load_dataset reads); "" = off. Short form:
-    training.dataset_path = "hf:NAME" (validation.dataset_path too, "hf:NAME:SPLIT" for a split)."""
-    config: str = ""
-    """The dataset's configuration (subset); "" = its default."""
-    split: str = "train"
-    """The split whose rows are read, in their order."""
-    column: str = ""
-    """The field holding each row's text (dataset "text") or messages (dataset "sft"); "" = the
-    rows' own fields, as in a .jsonl file ("text"; "messages" or "prompt" / "completion")."""
-    streaming: bool = False
-    """Refused: the token store tokenizes every row once before the first step, so that every
-    layout reads the same global order; a streamed split has no length to cut into work items."""
-
-
-@dataclass
 class Training:
     dataset: str = "passkey"
     """"passkey" (synthetic long-context retrieval), "text" (pretraining on local .txt/.jsonl/.parquet)
@@ -187,6 +168,9 @@ class Training:
     """Dtype of gradient reduction: float32 or bfloat16."""
     enable_cpu_offload: bool = False
     """FSDP2 CPU offload: sharded parameters, gradients and optimizer state in host memory."""
+    prefetch_batches: int = 2
+    """Steps of batches a background thread prepares ahead (read, sliced for this rank, pinned on
+    CUDA) while the device trains; 0 = read each step's batches when it starts (synchronous)."""
 
 
 @dataclass

@@ -39,6 +39,7 @@ RANGES: dict[str, tuple] = {
     "profiling.profiler_warmup": (0, None, True, False),
     "profiling.profiler_active": (1, None, True, False),
     "profiling.memory_snapshot_freq": (0, None, True, False),  # 0 = profile_freq
+    "training.prefetch_batches": (0, 64, True, True),  # 0 = synchronous; each step ahead holds its batches
     "optimizer.lr": (0, LR_MAX, False, True),
     "optimizer.weight_decay": (0, None, True, False),
     "optimizer.eps": (0, None, False, False),

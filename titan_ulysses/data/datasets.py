@@ -5,51 +5,49 @@ token store (``token_store.py``); ``build.py`` picks one from the config.
 
 An item is a dict of 1-D LongTensors of length ``seq_len``: ``input``, ``labels`` (next
 tokens, shifted on the full sequence, IGNORE_INDEX where there is no target),
-``document_ids`` and ``positions`` (position within its document).
+``document_ids`` and ``positions`` (position within its document). A sample is built with
+numpy from token arrays encoded once per dataset, never as a Python list of ``seq_len`` ints.
 """
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
-
-from titan_ulysses.ops.loss import IGNORE_INDEX
 
 _FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 )
 
 
-def _item(tokens: list[int], doc_ids: list[int] | None = None) -> dict[str, torch.Tensor]:
-    """seq_len + 1 tokens -> an item; labels across a document boundary are ignored."""
-    t = torch.tensor(tokens, dtype=torch.long)
-    docs = torch.zeros_like(t) if doc_ids is None else torch.tensor(doc_ids, dtype=torch.long)
-    labels = t[1:].clone()
-    labels[docs[1:] != docs[:-1]] = IGNORE_INDEX
-    starts = torch.ones_like(docs, dtype=torch.bool)
-    starts[1:] = docs[1:] != docs[:-1]
-    idx = torch.arange(len(docs))
-    positions = idx - torch.cummax(torch.where(starts, idx, 0), dim=0).values
-    return {"input": t[:-1], "labels": labels, "document_ids": docs[:-1], "positions": positions[:-1]}
+def _encode(tokenizer, text: str) -> np.ndarray:
+    return np.asarray(tokenizer.encode(text, False, False), dtype=np.int64)
 
 
-def make_passkey_tokens(tokenizer, seq_len: int, passkey: int, depth: float) -> tuple[list[int], int]:
-    """``seq_len + 1`` tokens: filler with the pass key at ``depth`` (0..1), the question and the answer last.
+def passkey_fixed_parts(tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """(filler unit, question): the tokens every passkey sample of ``tokenizer`` shares, encoded once."""
+    return _encode(tokenizer, _FILLER), _encode(tokenizer, " What is the pass key? The pass key is ")
+
+
+def make_passkey_tokens(tokenizer, seq_len: int, passkey: int, depth: float,
+                        fixed: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, int]:
+    """``seq_len + 1`` tokens (int64): filler with the pass key at ``depth`` (0..1), the question and the
+    answer last. ``fixed``: :func:`passkey_fixed_parts` of the tokenizer, when the caller keeps them.
 
     Returns the tokens and the index where the answer digits start.
     """
-    needle = tokenizer.encode(f" The pass key is {passkey}. Remember it. {passkey} is the pass key. ", False, False)
-    question = tokenizer.encode(" What is the pass key? The pass key is ", False, False)
-    answer = tokenizer.encode(str(passkey), False, False)
+    unit, question = fixed if fixed is not None else passkey_fixed_parts(tokenizer)
+    needle = _encode(tokenizer, f" The pass key is {passkey}. Remember it. {passkey} is the pass key. ")
+    answer = _encode(tokenizer, str(passkey))
     n_filler = seq_len + 1 - 1 - len(needle) - len(question) - len(answer)
     if n_filler < 0:
         raise ValueError(f"training.seq_len {seq_len} is too short for a passkey sample with this tokenizer (it needs "
                          f"at least {seq_len - n_filler} tokens): raise training.seq_len")
-    unit = tokenizer.encode(_FILLER, False, False)
-    filler = (unit * (n_filler // len(unit) + 1))[:n_filler]
+    filler = np.resize(unit, n_filler)  # the unit repeated, cut to n_filler
     cut = int(round(depth * n_filler))
-    tokens = [tokenizer.bos_id] + filler[:cut] + needle + filler[cut:] + question + answer
+    tokens = np.concatenate([np.array([tokenizer.bos_id], dtype=np.int64), filler[:cut], needle, filler[cut:],
+                             question, answer])
     return tokens, len(tokens) - len(answer)
 
 
@@ -70,6 +68,7 @@ class PasskeyDataset:
 
     def __init__(self, tokenizer, seq_len: int, seed: int, digits: int = 5):
         self.tokenizer, self.seq_len, self.seed, self.digits = tokenizer, seq_len, seed, digits
+        self._fixed = None  # passkey_fixed_parts, encoded at the first sample
 
     def __len__(self) -> int:
         return 2**31
@@ -79,6 +78,10 @@ class PasskeyDataset:
         return random_passkey(rng, self.digits), rng.random()
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """One document: labels the next tokens (shifted on the full sequence), positions 0..seq_len-1."""
         key, depth = self.key_and_depth(index)
-        tokens, _ = make_passkey_tokens(self.tokenizer, self.seq_len, key, depth)
-        return _item(tokens)
+        if self._fixed is None:
+            self._fixed = passkey_fixed_parts(self.tokenizer)
+        t = torch.from_numpy(make_passkey_tokens(self.tokenizer, self.seq_len, key, depth, self._fixed)[0])
+        return {"input": t[:-1], "labels": t[1:], "document_ids": torch.zeros(self.seq_len, dtype=torch.long),
+                "positions": torch.arange(self.seq_len)}

@@ -1,7 +1,8 @@
 """Split one batch across the ranks of a Ulysses (sp) group.
 
 Every rank of an sp group loads the same sample ``[B, S]`` with labels already shifted
-on the full sequence. ``S`` is padded at the end up to a multiple of the SP degree
+on the full sequence, and slices it on the host: only its own share goes to the device.
+``S`` is padded at the end up to a multiple of the SP degree
 (padding labels are ignored, and causal attention keeps padding out of every real
 token's view), then rank r keeps tokens ``[r*S/P, (r+1)*S/P)`` together with their global
 positions for RoPE. Document ids stay full-length: attention sees the whole sequence.
@@ -142,16 +143,31 @@ def shard_batch(
     )
 
 
-def shard_loader_batch(batch: dict, sp_rank: int, sp: int, device, packed: bool, pad_token: int = 0,
-                       cp_rank: int = 0, cp: int = 1) -> SPBatch:
-    """Shard one loader batch (dict of ``[B, S]`` tensors) for rank ``sp_rank`` of ``sp`` (and ``cp_rank`` of ``cp``).
+def shard_host_batch(batch: dict, sp_rank: int, sp: int, packed: bool, pad_token: int = 0, cp_rank: int = 0,
+                     cp: int = 1, pin: bool = False) -> SPBatch:
+    """This rank's share of one loader batch (dict of ``[B, S]`` host tensors), still on the host.
 
     Positions are those of the batch, row by row (they restart per document when rows are
     packed); document ids are kept only when ``packed``, so that attention masks per document.
-    """
-    return shard_batch(
-        batch["input"].to(device), batch["labels"].to(device), sp_rank, sp,
-        positions=batch["positions"].to(device) if "positions" in batch else None,
-        document_ids=batch["document_ids"].to(device) if packed else None,
-        pad_token=pad_token, cp_rank=cp_rank, cp=cp,
-    )
+    ``pin``: each field is a contiguous page-locked copy, for a ``non_blocking`` upload."""
+    b = shard_batch(batch["input"], batch["labels"], sp_rank, sp, positions=batch.get("positions"),
+                    document_ids=batch["document_ids"] if packed else None, pad_token=pad_token,
+                    cp_rank=cp_rank, cp=cp)
+    return _each(b, lambda x: torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)) if pin else b
+
+
+def to_device(b: SPBatch, device, non_blocking: bool = False) -> SPBatch:
+    """``b`` on ``device``: the copies move this rank's slice only (``non_blocking`` from pinned memory)."""
+    return _each(b, lambda x: x.to(device, non_blocking=non_blocking))
+
+
+def _each(b: SPBatch, fn) -> SPBatch:
+    return SPBatch(*(None if x is None else fn(x) for x in (b.tokens, b.labels, b.positions, b.document_ids,
+                                                               b.index)))
+
+
+def shard_loader_batch(batch: dict, sp_rank: int, sp: int, device, packed: bool, pad_token: int = 0,
+                       cp_rank: int = 0, cp: int = 1) -> SPBatch:
+    """Shard one loader batch for rank ``sp_rank`` of ``sp`` (and ``cp_rank`` of ``cp``) on the host,
+    then copy this rank's slice to ``device`` (:func:`shard_host_batch`)."""
+    return to_device(shard_host_batch(batch, sp_rank, sp, packed, pad_token, cp_rank, cp), device)
