@@ -3,6 +3,7 @@
     bash scripts/gpu_wheels.sh                      # here, once: wheels the GPU machine lacks -> .whl/
     python scripts/gpu_suite.py --part first --out DIR     # what proves the most: 450 s on an H100
     python scripts/gpu_suite.py --part second --out DIR    # what did not fit: 180 s on a started machine
+    python scripts/gpu_suite.py --part perf --out DIR      # A/B cells of the step (benchmarks/perf_ab.py): 300 s
     python scripts/gpu_suite.py --part correctness --out DIR
     python scripts/gpu_suite.py --part bench --out DIR
     python scripts/gpu_suite.py --part limits --out DIR
@@ -110,7 +111,7 @@ def run_part(part: str, cases: list[Case], ctx: Context, header: dict) -> list[d
 
 
 OVERHEAD_S = 15  # the wheel install and the suite's own start (imports, CUDA context), before the first case
-BUDGETS = {"first": 450.0, "second": 180.0, "rest": 500.0}
+BUDGETS = {"first": 450.0, "second": 180.0, "rest": 500.0, "perf": 300.0}
 
 
 def _by_name(*lists) -> dict:
@@ -174,11 +175,11 @@ def short_parts() -> dict[str, list[Case]]:
 
 
 def parts() -> dict[str, list[Case]]:
-    from benchmarks import gpu_perf
+    from benchmarks import gpu_perf, perf_ab
     from gpu import correctness
 
-    return {**short_parts(), "correctness": correctness.CASES, "bench": gpu_perf.BENCH_CASES,
-            "limits": gpu_perf.LIMIT_CASES}
+    return {**short_parts(), "perf": perf_ab.PERF_CASES, "correctness": correctness.CASES,
+            "bench": gpu_perf.BENCH_CASES, "limits": gpu_perf.LIMIT_CASES}
 
 
 def planned_s(part: str, cases: list[Case]) -> float:
@@ -188,7 +189,7 @@ def planned_s(part: str, cases: list[Case]) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["first", "second", "rest", "correctness", "bench", "limits", "all"])
+    p.add_argument("--part", choices=["first", "second", "rest", "perf", "correctness", "bench", "limits", "all"])
     p.add_argument("--out", default="outputs/gpu_suite")
     p.add_argument("--budget", type=float, default=None, help="seconds per part (default: the part's own, else 500)")
     p.add_argument("--dry-run", action="store_true", help="toy sizes on CPU: checks that every case runs")
