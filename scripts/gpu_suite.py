@@ -3,6 +3,7 @@
     bash scripts/gpu_wheels.sh                      # here, once: wheels the GPU machine lacks -> .whl/
     python scripts/gpu_suite.py --part first --out DIR     # what proves the most: 450 s on an H100
     python scripts/gpu_suite.py --part second --out DIR    # what did not fit: 180 s on a started machine
+    python scripts/gpu_suite.py --part perf --out DIR      # A/B cells of the step (benchmarks/perf_ab.py): 300 s
     python scripts/gpu_suite.py --part correctness --out DIR
     python scripts/gpu_suite.py --part bench --out DIR
     python scripts/gpu_suite.py --part limits --out DIR
@@ -110,7 +111,7 @@ def run_part(part: str, cases: list[Case], ctx: Context, header: dict) -> list[d
 
 
 OVERHEAD_S = 15  # the wheel install and the suite's own start (imports, CUDA context), before the first case
-BUDGETS = {"first": 450.0, "second": 180.0, "rest": 500.0}
+BUDGETS = {"first": 450.0, "second": 180.0, "rest": 500.0, "perf": 300.0}
 
 
 def _by_name(*lists) -> dict:
@@ -122,12 +123,14 @@ def short_parts() -> dict[str, list[Case]]:
     an H100, wheel install and compile warm-up included): the kernels ``"auto"`` picks, compile
     against eager in one step, the pinned-stager save and resume, packed documents without a dense
     mask, cp's per-chunk kernel, head stages and LoRA on ranks sharing the GPU, every family's bf16
-    logits against transformers, the headline 8B step with its memory estimate, one limits point
-    of the head-staged 6M config; the head stages' cost (the compiled AC-full step, plain and in 4
-    stages) closes it. ``second`` (within 180 s on a started machine): float8 and ``full_offload``
-    against the first part's cells, the 128K packed-documents row. ``rest``: what fits neither."""
+    logits against transformers; then our 1B step at 16K against the transformers loop and its
+    profile (``benchmarks/peer_profile.py``), and the headline 8B step with its memory estimate.
+    ``second`` (within 180 s on a started machine): float8 and ``full_offload`` against the first
+    part's cells, the 128K packed-documents row. ``rest``: what fits neither (the 6M limits point
+    and the head stages' cost among them). ``perf`` (``benchmarks/perf_ab.py``): the A/B cells."""
     from benchmarks import gpu_perf
     from benchmarks.headline import headline_8b, limits_6m_two_layers
+    from benchmarks.peer_profile import peer_1b_16k, profile_1b_16k
     from gpu import correctness
     from gpu.models import families_bf16, moe_grouped_mm
     from gpu.multirank import features_multirank
@@ -144,22 +147,27 @@ def short_parts() -> dict[str, list[Case]]:
         Case("features_multirank", features_multirank, 30, 40),
         Case("moe_grouped_mm_bf16", moe_grouped_mm, 10, 3),
         Case("families_bf16", families_bf16, 15, 10),
-        Case("headline_8b_128k_sim8_compile_bf16_selective", headline_8b, 65, 15),
-        Case("limits_6m_staged_two_layers_1m", limits_6m_two_layers, 55, 15),
-        Case("attn_flex_docs_window_softcap", known["attn_flex_docs_window_softcap"].fn, 25, 5),
         Case("attn_flash_attn_docs_window_softcap", known["attn_flash_attn_docs_window_softcap"].fn, 5, 1),
-        # head stages' cost: the same compiled step with AC full, plain and in 4 stages (found a
-        # per-layer recompile on 2026-11-26)
-        Case("8b_128k_sim8_compile_bf16_full", cell_steps(True, "bf16", "full"), 65, 10),
-        Case("8b_128k_sim8_compile_bf16_full_stages4",
-             cell_steps(True, "bf16", "full", ["--parallelism.ulysses_head_stages", "4"]), 65, 10),
+        # where the step stands (issue 40): against the transformers loop, 2-4 compiled 1B runs a
+        # side (estimates: about 35 s each, not yet measured), then where its time goes
+        Case("peer_1b_16k", peer_1b_16k, 150, 30),
+        Case("profile_1b_16k", profile_1b_16k, 45, 30),
+        Case("headline_8b_128k_sim8_compile_bf16_selective", headline_8b, 65, 15),
     ]
     second = [  # against the first part's cells on the same started machine
         Case("8b_128k_sim8_compile_float8_selective", cell_steps(True, "float8", "selective"), 65, 10),
         Case("8b_128k_sim8_compile_bf16_full_offload", cell_steps(True, "bf16", "full_offload"), 65, 10),
         Case("bench_packed_128k", known["bench_packed_128k"].fn, 35, 5),
     ]
-    rest = [known["attn_flex_cp4_docs_window_softcap"], known["attn_flash_attn_cp4_docs_window"],
+    # moved out of first for the peer and profile cases (2026-11-27): the 6M limits point, flex's
+    # packed-documents check and the head stages' cost (the compiled AC-full step, plain and in 4
+    # stages; found a per-layer recompile on 2026-11-26)
+    rest = [Case("limits_6m_staged_two_layers_1m", limits_6m_two_layers, 55, 15),
+            Case("attn_flex_docs_window_softcap", known["attn_flex_docs_window_softcap"].fn, 25, 5),
+            Case("8b_128k_sim8_compile_bf16_full", cell_steps(True, "bf16", "full"), 65, 10),
+            Case("8b_128k_sim8_compile_bf16_full_stages4",
+                 cell_steps(True, "bf16", "full", ["--parallelism.ulysses_head_stages", "4"]), 65, 10),
+            known["attn_flex_cp4_docs_window_softcap"], known["attn_flash_attn_cp4_docs_window"],
             Case("8b_128k_sim8_eager_bf16_full", cell_steps(False, "bf16", "full"), 45, 10),
             Case("8b_128k_sim8_eager_bf16_full_offload", cell_steps(False, "bf16", "full_offload"), 45, 10)]
     return {"first": first, "second": second, "rest": rest}
@@ -167,11 +175,11 @@ def short_parts() -> dict[str, list[Case]]:
 
 
 def parts() -> dict[str, list[Case]]:
-    from benchmarks import gpu_perf
+    from benchmarks import gpu_perf, perf_ab
     from gpu import correctness
 
-    return {**short_parts(), "correctness": correctness.CASES, "bench": gpu_perf.BENCH_CASES,
-            "limits": gpu_perf.LIMIT_CASES}
+    return {**short_parts(), "perf": perf_ab.PERF_CASES, "correctness": correctness.CASES,
+            "bench": gpu_perf.BENCH_CASES, "limits": gpu_perf.LIMIT_CASES}
 
 
 def planned_s(part: str, cases: list[Case]) -> float:
@@ -181,7 +189,7 @@ def planned_s(part: str, cases: list[Case]) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["first", "second", "rest", "correctness", "bench", "limits", "all"])
+    p.add_argument("--part", choices=["first", "second", "rest", "perf", "correctness", "bench", "limits", "all"])
     p.add_argument("--out", default="outputs/gpu_suite")
     p.add_argument("--budget", type=float, default=None, help="seconds per part (default: the part's own, else 500)")
     p.add_argument("--dry-run", action="store_true", help="toy sizes on CPU: checks that every case runs")

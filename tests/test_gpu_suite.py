@@ -27,12 +27,15 @@ DRY = {
     "bench": ["bench_attention", "bench_packed_128k"],
     "limits": ["estimate_validate_8b_32k", "longest_1b_one_gpu"],
 }
-# the short parts' own case functions (their other cases are the long parts' functions, run above);
-# second's cell runs train_cell, the bench cells' function
+# the short parts' own case functions (their other cases are the long parts' functions, run above).
+# second's cell runs train_cell, which headline and peer_1b_16k run here too; rest's
+# limits_6m_staged_two_layers_1m runs _trial (longest_1b_one_gpu above) and _estimate_gib (headline).
+# perf: its train.py cells only build their command lines in a dry run (benchmarks/perf_ab.py)
 DRY_SHORT = {
-    "first": ["features_multirank", "moe_grouped_mm_bf16", "families_bf16", "headline_8b_128k_sim8_compile_bf16_selective",
-              "limits_6m_staged_two_layers_1m"],
-    "second": ["8b_128k_sim8_compile_bf16_full_offload"],
+    "first": ["features_multirank", "moe_grouped_mm_bf16", "families_bf16", "peer_1b_16k", "profile_1b_16k",
+              "headline_8b_128k_sim8_compile_bf16_selective"],
+    "perf": ["perf_1b_16k_default", "perf_prefetch_off", "perf_sync_free_off", "perf_loss_unchunked",
+             "perf_sdpa_order_hd64", "perf_fsdp_one_rank", "perf_liger"],
 }
 # CUDA-only kernels and packages the CPU machine lacks: the only skips a dry run may report
 MAY_SKIP = {"attn_sdpa_cudnn": "CUDA kernel", "attn_flash_attn_pkg": "not installed",
@@ -71,12 +74,13 @@ def test_short_parts_dry_run(tmp_path, part):
 
 
 def test_short_parts_fit_their_gpu_windows():
-    """first: 450 s on an H100 (wheel install and start-up included); second: 180 s on a started machine.
+    """first: 450 s on an H100 (wheel install and start-up included); second: 180 s on a started machine;
+    perf: 300 s.
     Planned from each case's estimate; every case is a name the part's report will show."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import gpu_suite
 
-    limits = {"first": 450, "second": 180}
+    limits = {"first": 450, "second": 180, "perf": 300}
     for part, limit in limits.items():
         cases = gpu_suite.parts()[part]
         assert 0 < gpu_suite.planned_s(part, cases) <= limit, (part, gpu_suite.planned_s(part, cases))
@@ -99,7 +103,7 @@ def test_every_correctness_case_of_the_suite_is_a_gpu_test():
                 assert case.name in tested, (part, case.name)
 
 
-@pytest.mark.parametrize("part", ["first", "second", "correctness", "bench", "limits"])
+@pytest.mark.parametrize("part", ["first", "second", "perf", "correctness", "bench", "limits"])
 def test_a_misspelt_case_is_refused_before_any_work(part, capsys):
     """A misspelt ``--only`` name is refused at once (exit 2, the part's cases listed), not found out
     after the GPU machine has started; every listed name is accepted."""
@@ -146,3 +150,16 @@ def _one_rank_computes_in_bf16():
 
 def test_one_rank_honours_mixed_precision_param():
     run_distributed(_one_rank_computes_in_bf16, 1)
+
+
+def test_perf_cells_differ_from_the_default_by_one_setting_each():
+    """The A/B cells' command lines (a dry run builds them without running them): each adds one setting
+    to the default cell, the agreed names (two are added beside this part; the lead checks them at merge)."""
+    from benchmarks.perf_ab import AB, cell_command
+
+    base = cell_command("perf_1b_16k_default")
+    added = {name: cell_command(name)[len(base):] for name in AB if name != "perf_1b_16k_default"}
+    assert all(cell_command(name)[:len(base)] == base for name in AB)
+    assert added == {"perf_prefetch_off": ["--training.prefetch_batches", "0"],
+                     "perf_sync_free_off": ["--training.sync_free_step", "false"],
+                     "perf_loss_unchunked": ["--model.loss_chunk_size", "0"]}

@@ -64,3 +64,42 @@ def test_the_order_is_in_force_at_every_kernel_call_and_restored_after(monkeypat
     assert seen[2:] == [list(PYTORCH_ORDER)] * 2  # an empty order leaves PyTorch's alone
     assert list(torch._C._get_sdp_priority_order()) == list(PYTORCH_ORDER)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)  # on CPU the same kernel runs
+
+
+def test_auto_picks_the_measured_kernel_per_head_dim_and_length_and_says_where_none_was_measured():
+    from titan_ulysses.ops.attention.sdpa_table import MEASURED, auto_causal
+
+    row = MEASURED[0]  # head_dim 128 on Hopper, 32K-128K: cuDNN
+    assert auto_causal((9, 0), row.head_dim, row.min_len) == ((row.fastest,), row)
+    assert auto_causal((9, 0), row.head_dim, row.max_len) == ((row.fastest,), row)
+    # not measured: the order from before the table, and no row to stand on
+    assert auto_causal((9, 0), row.head_dim, row.min_len - 1) == (("cudnn",), None)
+    assert auto_causal((9, 0), 64, 16384) == (("cudnn",), None)
+    assert auto_causal((8, 0), 128, 65536) == ((), None)
+    assert auto_causal(None, 128, 65536) == ((), None)
+
+
+def test_the_order_follows_each_calls_head_dim_and_length(monkeypatch):
+    """A row naming another kernel for one (head_dim, length) range moves that kernel first for the calls
+    of that shape only, inside the module's forward (the shape read from q and k as the kernel sees them)."""
+    from titan_ulysses.ops.attention import sdpa, sdpa_table
+
+    row = sdpa_table.Measured("hopper", 16, 8, 32, "efficient", "test", "test", "test", "test")
+    monkeypatch.setattr(sdpa_table, "MEASURED", (row,))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    module = sdpa.SDPAAttention("auto")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU kernels run the calls below
+    assert module.order(False, 16, 32)[0] == SDPA_KERNELS["efficient"]
+    assert module.order(False, 16, 64)[0] == SDPA_KERNELS["cudnn"]  # beyond the row: before-the-table order
+    assert module.order(True, 16, 32)[0] == SDPA_KERNELS["efficient"]  # masked calls keep their own
+    seen, original = [], F.scaled_dot_product_attention
+
+    def recording(*a, **k):
+        seen.append(int(torch._C._get_sdp_priority_order()[0]))
+        return original(*a, **k)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    for s in (32, 64):  # [B, S, H, D] with D 16
+        module(*(torch.randn(1, s, 2, 16) for _ in range(3)))
+    assert seen == [int(SDPA_KERNELS["efficient"]), int(SDPA_KERNELS["cudnn"])]

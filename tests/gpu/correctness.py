@@ -132,16 +132,46 @@ def sdpa_priority_case(ctx):
                       if e.name.startswith("aten::_scaled_dot_product") and "backward" not in e.name})
         err = max(rel_err(x, r) for x, r in zip((out, q.grad, k.grad, v.grad),
                                                    _reference(q, k, v, g, _dense_mask(doc_ids) if masked else None)))
-        order = sdpa_priority("auto", masked)
+        order = sdpa_priority("auto", masked, d, s)
         want = order[0] if order else "flash"  # PyTorch's order: its flash kernel (CPU: flash_attention_for_cpu)
         kind = "masked" if masked else "causal"
         figures[f"{kind}_order"], figures[f"{kind}_err"] = ",".join(order) or "pytorch", err
         ran_all[kind] = ran
         ok &= any(name.startswith(want) for name in ran) and err < TOL[dtype]
+    ok &= _measured_kernels_run(ctx, module, figures)
     return {"status": "pass" if ok else "fail", "figures": figures,
             "detail": f"{str(dtype).removeprefix('torch.')} fwd+bwd through SDPAAttention with model.sdpa_backends "
                       f"'auto', GQA 4/1 heads: ran {ran_all}; the first kernel of each order must run; max rel. "
-                      f"error of out, dq, dk, dv vs fp32 math < {TOL[dtype]:g}"}
+                      f"error of out, dq, dk, dv vs fp32 math < {TOL[dtype]:g}; measured_*: at each row of "
+                      f"ops/attention/sdpa_table.py for this GPU, the kernel measured fastest runs"}
+
+
+def _measured_kernels_run(ctx, module, figures: dict) -> bool:
+    """For every row of the table for this GPU (its shortest measured length), the row's kernel runs a
+    causal fwd+bwd of ``module`` (sdpa, "auto"). On CPU (dry run): a toy row's shape, the CPU's kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from titan_ulysses.ops.attention.sdpa_table import MEASURED, arch_of
+
+    if ctx.cuda:
+        arch = arch_of(torch.cuda.get_device_capability())
+        rows = [(r.head_dim, r.min_len, r.fastest) for r in MEASURED if r.arch == arch]
+    else:
+        rows = [(16, 128, "flash")]  # PyTorch's CPU order: its flash kernel
+    ok = True
+    for d, s, fastest in rows:
+        q, k, v = (torch.randn(1, s, h, d, device=ctx.device, dtype=torch.bfloat16 if ctx.cuda else torch.float32,
+                               requires_grad=True) for h in (4, 1, 1))
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+        with profile(activities=activities) as prof:
+            module(q, k, v, None).sum().backward()
+        ran = sorted({e.name.removeprefix("aten::_scaled_dot_product_") for e in prof.events()
+                      if e.name.startswith("aten::_scaled_dot_product") and "backward" not in e.name})
+        figures[f"measured_hd{d}_{s // 1024}K"] = f"{fastest}: ran {','.join(ran)}"
+        ok &= any(name.startswith(fastest) for name in ran)
+    if not rows:
+        figures["measured"] = "no row of sdpa_table.py for this GPU: the order from before the table"
+    return ok
 
 
 def lower_right_case(ctx):

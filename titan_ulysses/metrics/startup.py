@@ -19,7 +19,7 @@ def startup_line(config, spec, weights, compute, options, parallel_dims, params:
     source = f"{spec.source}, {spec.tokenizer_line()}, weights from {weights.describe()}"
     attention = compute.attn_backend
     if attention == "sdpa":  # which kernel runs first (model.sdpa_backends)
-        order = sdpa_priority(compute.sdpa_backends)
+        order = sdpa_priority(compute.sdpa_backends, head_dim=args.head_dim, seq_len=t.seq_len)  # a whole sequence
         attention += f" ({' > '.join(order)})" if order else " (PyTorch's kernel order)"
     trainable, total = params
     lora = options.lora

@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titan_ulysses.ops.attention.masks import DocumentMask, lower_right_mask
 from titan_ulysses.ops.attention.per_document import attention_per_document
+from titan_ulysses.ops.attention.sdpa_table import auto_causal
 
 BLOCK = 1024
 """Query block of windowed / softcapped / lower-right calls: masks are [BLOCK, BLOCK + window] at most."""
@@ -60,15 +61,17 @@ def parse_sdpa_backends(setting: str) -> tuple[str, ...]:
     return names
 
 
-def sdpa_priority(setting: str, masked: bool = False) -> tuple[str, ...]:
+def sdpa_priority(setting: str, masked: bool = False, head_dim: int = 0, seq_len: int = 0) -> tuple[str, ...]:
     """The order in which SDPA tries its kernels for ``model.sdpa_backends`` on this machine, for
-    plain causal calls or, with ``masked``, calls with a dense (document) mask.
+    plain causal calls or, with ``masked``, calls with a dense (document) mask, at ``head_dim``
+    and ``seq_len`` (the kernel call's key length; 0: unknown).
 
     ``()`` keeps PyTorch's (:func:`_pytorch_order`). ``"auto"`` on CUDA:
 
-    * causal: cuDNN first on Hopper (compute capability 9.x), where its causal fwd+bwd ran at
-      1.8x FlashAttention's rate on an H200 at 32K-128K tokens (``docs/benchmarks.md``; others
-      measured it slower on Ampere and Blackwell); PyTorch's order elsewhere.
+    * causal: the kernel measured fastest for this GPU, head_dim and length (``sdpa_table.py``:
+      cuDNN on Hopper at head_dim 128 and 32K-128K tokens, 1.8x FlashAttention's rate on an
+      H200); where nothing was measured, the order from before the table (cuDNN first on
+      Hopper, PyTorch's order elsewhere), as the table says.
     * masked: the memory-efficient kernel first (FlashAttention takes no mask), not cuDNN,
       whose backward with an explicit mask returns NaN in dq for some lengths from torch 2.11
       on (pytorch/pytorch#196678); with is_causal and no mask it is clean.
@@ -76,11 +79,16 @@ def sdpa_priority(setting: str, masked: bool = False) -> tuple[str, ...]:
     A list applies to both and is a preference, not a restriction: the kernels it leaves out
     follow in PyTorch's order, so that a shape the named kernels cannot take still runs.
     """
-    names = parse_sdpa_backends(setting)
-    if setting == "auto" and torch.cuda.is_available():
-        hopper = torch.cuda.get_device_capability()[0] == 9
-        names = ("efficient",) if masked else (("cudnn",) if hopper else ())
-    return (*names, *(n for n in _pytorch_order() if n not in names)) if names else ()
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    return _resolve(parse_sdpa_backends(setting), setting == "auto", capability, masked, head_dim, seq_len,
+                    _pytorch_order())
+
+
+def _resolve(names, auto: bool, capability, masked: bool, head_dim: int, seq_len: int, rest) -> tuple[str, ...]:
+    """:func:`sdpa_priority` from what it read of the machine (plain Python: called in every forward)."""
+    if auto and capability is not None:
+        names = ("efficient",) if masked else auto_causal(capability, head_dim, seq_len)[0]
+    return (*names, *(n for n in rest if n not in names)) if names else ()
 
 
 def _cuda_needs_kv_expanded(q, k, dense_mask: bool) -> bool:
@@ -109,14 +117,21 @@ def _flash_lower_right(q) -> bool:
 class SDPAAttention(nn.Module):
     def __init__(self, sdpa_backends: str = "auto"):
         super().__init__()
-        # kernel orders for calls without and with a mask, resolved for this machine; empty: PyTorch's
-        self.orders = {m: [SDPA_KERNELS[n] for n in sdpa_priority(sdpa_backends, m)] for m in (False, True)}
+        # what the kernel order depends on besides the call's shape, read once (not in forward)
+        self._names, self._auto = parse_sdpa_backends(sdpa_backends), sdpa_backends == "auto"
+        self._capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        self._rest = _pytorch_order()
         self.sdpa_backends = sdpa_backends
 
     backend_name = "sdpa"
 
-    def _kernels(self, masked: bool):
-        order = self.orders[masked]
+    def order(self, masked: bool, head_dim: int = 0, seq_len: int = 0) -> list:
+        """The SDPA kernels in the order they are tried for this call (empty: PyTorch's)."""
+        names = _resolve(self._names, self._auto, self._capability, masked, head_dim, seq_len, self._rest)
+        return [SDPA_KERNELS[n] for n in names]
+
+    def _kernels(self, masked: bool, head_dim: int = 0, seq_len: int = 0):
+        order = self.order(masked, head_dim, seq_len)
         return sdpa_kernel(order, set_priority=True) if order else contextlib.nullcontext()
 
     def forward(self, q, k, v, attention_mask=None, *, scale=None, window=0, softcap=0.0, sinks=None):
@@ -158,7 +173,7 @@ class SDPAAttention(nn.Module):
             k, v = _expand_kv(q, k, v)
             gqa = False
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        with self._kernels(mask is not None):
+        with self._kernels(mask is not None, q.shape[-1], k.shape[-2]):  # q, k: [B, H, S, D]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                                  enable_gqa=gqa)
         return out.transpose(1, 2)  # [B, S, H, D]
