@@ -118,3 +118,54 @@ def _models(sp: int, names: list[str]) -> None:
 @pytest.mark.parametrize("sp", [2, 3])
 def test_models_equal_one_process(sp):
     run_distributed(_models, sp, sp, list(MODELS))
+
+
+def _dp_sp(name: str) -> None:
+    """dp2 x sp2: fully_shard over every rank, transformers' activation checkpointing, transformers' own loss."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from titan_ulysses.integrations.transformers import apply_ulysses, fsdp_mesh, shard_batch, sp_loss
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    ref = build(name)
+    model = apply_ulysses(copy.deepcopy(ref), mesh)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=fsdp_mesh(mesh))
+    fully_shard(model, mesh=fsdp_mesh(mesh))
+    batch = make_batch(ref.config.vocab_size, batch=4)
+    ref_logits, ref_loss = reference(ref, batch)
+    dp = mesh["dp"].get_local_rank()
+    mine = {k: v[2 * dp:2 * dp + 2] for k, v in batch.items()}
+    local = shard_batch(mine, mesh)
+    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], labels=local["shift_labels"],
+                shift_labels=local["shift_labels"])  # transformers' loss: the mean over this rank's tokens
+    loss = sp_loss(out.loss, local["shift_labels"], mesh)
+    loss.backward()
+    assert_close(loss.detach(), ref_loss, f"{name} dp2 x sp2 loss")
+    rank, s_local = mesh["sp"].get_local_rank(), local["input_ids"].shape[1]
+    start, end = rank * s_local, min((rank + 1) * s_local, SEQ)
+    assert_close(out.logits.detach()[:, :end - start], ref_logits[2 * dp:2 * dp + 2, start:end], f"{name} logits")
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor() for n, p in model.named_parameters()}
+    for n, p in ref.named_parameters():
+        assert_close(grads[n], p.grad, f"{name} dp2 x sp2 grad {n}", rtol=1e-5, atol=2e-5)
+
+
+def test_dp2_sp2_fully_shard_with_activation_checkpointing():
+    run_distributed(_dp_sp, 4, "qwen3-moe")
+
+
+def test_refusals_name_the_class():
+    from titan_ulysses.integrations.transformers import apply_ulysses
+
+    bert = transformers.BertModel(transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                          intermediate_size=32, vocab_size=50))
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(d_model=32, d_ff=32, num_layers=1, num_heads=2,
+                                                                       vocab_size=50))
+    for model, words in ((bert, "BertModel has non-causal"), (t5, "T5ForConditionalGeneration is an encoder-decoder"),
+                         (torch.nn.Linear(2, 2), "Linear is not a transformers PreTrainedModel")):
+        with pytest.raises(ValueError, match=words) as e:
+            apply_ulysses(model, None)
+        assert "\n" not in str(e.value)

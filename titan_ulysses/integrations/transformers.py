@@ -262,7 +262,8 @@ def shard_batch(batch: dict, mesh: DeviceMesh, sp_dim: str = "sp", pad_token_id:
         shifted = shifted.masked_fill(~F.pad(mask[:, 1:], (0, 1), value=False), IGNORE_INDEX)
     part = _shard(ids, shifted, sp_mesh.get_local_rank(), sp_mesh.size(), positions=batch.get("position_ids"),
                   pad_token=pad_token_id)
-    return {"input_ids": part.tokens, "position_ids": part.positions, "shift_labels": part.labels}
+    return {"input_ids": part.tokens.contiguous(), "position_ids": part.positions.contiguous(),
+            "shift_labels": part.labels.contiguous()}  # [B, S_pad/sp] each; transformers' loss views them flat
 
 
 def sp_loss(logits_or_loss: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
