@@ -103,7 +103,21 @@ def check_model(ref, model, batch, mesh, sp_dim: str = "sp", grads_summed: bool 
         assert_close(grads[n], g, f"{what} grad {n}", rtol=1e-5, atol=2e-5)
 
 
-def _models(sp: int, names: list[str]) -> None:
+ENGLISH = ("Sequence parallelism splits every sequence over several devices. Before attention, one all-to-all "
+           "gives each device the whole sequence for a slice of the heads; after it, a second one gives the tokens "
+           "back. The numbers stay those of one device, while the memory of the activations falls.")
+
+
+def smollm2_batch(folder: str) -> dict:
+    """make_batch's layout (packed documents, ignored labels) on real English tokens."""
+    tokens = transformers.AutoTokenizer.from_pretrained(folder)(ENGLISH).input_ids
+    batch = make_batch(10)
+    batch["input_ids"] = torch.tensor(tokens[:2 * SEQ]).view(2, SEQ)
+    batch["labels"] = torch.where(batch["labels"] == -100, -100, batch["input_ids"])
+    return batch
+
+
+def _models(sp: int, names: list[str], smollm2: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from titan_ulysses.integrations.transformers import apply_ulysses
@@ -113,11 +127,15 @@ def _models(sp: int, names: list[str]) -> None:
         ref = build(name)
         model = apply_ulysses(copy.deepcopy(ref), mesh)
         check_model(ref, model, make_batch(ref.config.vocab_size), mesh, what=f"{name} sp={sp}")
+    # the real weights, first two of 30 layers: 9 q heads over 3 kv heads (5 + 4 at sp=2, uneven kv)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32, num_hidden_layers=2)
+    model = apply_ulysses(copy.deepcopy(ref), mesh)
+    check_model(ref, model, smollm2_batch(smollm2), mesh, what=f"SmolLM2-135M sp={sp}")
 
 
 @pytest.mark.parametrize("sp", [2, 3])
-def test_models_equal_one_process(sp):
-    run_distributed(_models, sp, sp, list(MODELS))
+def test_models_equal_one_process(sp, smollm2_hf_folder):
+    run_distributed(_models, sp, sp, list(MODELS), smollm2_hf_folder)
 
 
 def _dp_sp(name: str) -> None:

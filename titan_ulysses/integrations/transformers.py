@@ -30,7 +30,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -194,7 +193,8 @@ def _positions_hook(sp_mesh: DeviceMesh):
                 raise ValueError(f"{type(module).__name__} under apply_ulysses: attention_mask with padding; "
                                  f"shard_batch turns padding into ignored labels instead")
             arguments["attention_mask"] = None
-        lengths = funcol.all_gather_tensor(torch.tensor([s_local], device=ids.device), 0, group)
+        lengths = torch.empty(sp, dtype=torch.int64, device=ids.device)
+        dist.all_gather_into_tensor(lengths, torch.tensor([s_local], device=ids.device), group=group)
         if len(set(lengths.tolist())) > 1:
             raise ValueError(f"the sp ranks hold {lengths.tolist()} tokens; every rank must hold S/sp "
                              f"(shard_batch pads S to a multiple of sp)")
@@ -202,7 +202,9 @@ def _positions_hook(sp_mesh: DeviceMesh):
         if positions is None:  # global positions of this rank's tokens
             positions = torch.arange(rank * s_local, (rank + 1) * s_local, device=ids.device)[None]
         positions = positions.expand(b, s_local)  # [B, S/P]
-        full = funcol.wait_tensor(funcol.all_gather_tensor(positions.contiguous(), 1, group))  # [B, S]
+        gathered = positions.new_empty(sp * b, s_local)  # [P * B, S/P]: rank j's block j
+        dist.all_gather_into_tensor(gathered, positions.contiguous(), group=group)
+        full = gathered.view(sp, b, s_local).transpose(0, 1).reshape(b, sp * s_local)  # [B, S]
         arguments["position_ids"] = positions
         if "use_cache" in signature.parameters:
             arguments["use_cache"] = False
