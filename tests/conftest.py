@@ -41,3 +41,17 @@ def pytest_collection_modifyitems(config, items):
     lost = sorted(n for n in SMOKE_IDS - found if n.split("::")[0] in files) if whole_files else []
     if lost:
         raise pytest.UsageError(f"tests/smoke.py lists {lost[0]}, which its file no longer has; list its new id")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_folder(tmp_path_factory):
+    """SmolLM2-135M-Instruct as a Hugging Face folder (scripts/smollm2_folder.py), converted once per
+    session for test_smollm2 and test_hf_ulysses (about 50 s on 2 cores)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("smollm2_folder", os.path.join(ROOT, "scripts", "smollm2_folder.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    folder = str(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
+    assert script.main([folder, "--download"]) == 0, "scripts/smollm2_folder.py refused (its line above)"
+    return folder

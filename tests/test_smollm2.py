@@ -59,11 +59,9 @@ CHAT = [{"role": "user", "content": "Write a haiku about sequence parallelism."}
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    """The converted folder, once per session; transformers' logits, loss and gradients on real text beside it."""
-    root = tmp_path_factory.mktemp("smollm2")
-    folder = str(root / "SmolLM2-135M-Instruct")
-    assert smollm2_folder.main([folder, "--download"]) == 0, "scripts/smollm2_folder.py refused (its line above)"
+def smollm2(smollm2_hf_folder, tmp_path_factory):
+    """The converted folder (conftest.py), once per session; transformers' logits, loss and gradients on real text beside it."""
+    folder, root = smollm2_hf_folder, tmp_path_factory.mktemp("smollm2_reference")
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     rows = [tokenizer(smollm2_folder.ENGLISH).input_ids,
             tokenizer.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"]]

@@ -1,0 +1,294 @@
+"""Ulysses sequence parallelism for any transformers decoder, in the user's own training loop.
+
+transformers routes attention through a registry, ``AttentionInterface``: every decoder that
+supports it calls ``attention(module, query, key, value, attention_mask, **kwargs)`` on
+``[B, H, S, D]`` tensors. :func:`apply_ulysses` registers one such function that wraps the
+model's own kernel (``sdpa``, ``eager``, ``flash_attention_*``, ``flex_attention``) in
+:class:`~titan_ulysses.distributed.ulysses.UlyssesAttention`, the exchange ``train.py`` uses
+(uneven head counts, kv heads replicated up to the SP degree), and switches the model to it:
+
+    q, k, v [B, H, S/P, D] -> all-to-all -> [B, H/P, S, D] -> the model's kernel -> all-to-all -> [B, S/P, H, D]
+
+transformers builds its masks from the local sequence (S/P tokens); registered without a mask
+builder, our function gets none and builds the mask of the *full* sequence with transformers'
+own builders (``create_causal_mask`` / ``create_sliding_window_causal_mask``) from the full
+sequence's positions: causal, the layer's ``sliding_window`` over global positions, and packed
+documents (positions restarting at 0) exactly as one process would see them. A forward
+pre-hook gathers those positions once per forward (one small all-gather) and passes them down
+the model's ``**kwargs``; a rank's own ``position_ids`` stay global, so RoPE is right.
+
+:func:`shard_batch` cuts a full batch into this rank's slice (labels shifted on the full
+sequence first), :func:`sp_loss` turns logits or transformers' per-rank mean loss into the
+token mean of the whole mesh, and :func:`fsdp_mesh` is the mesh ``fully_shard`` must cover
+(every rank: sp ranks hold the same parameters but see other tokens). docs/transformers.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_ulysses.data.sharding import shard_batch as _shard
+from titan_ulysses.distributed.ulysses import UlyssesAttention, check_heads
+from titan_ulysses.ops.loss import IGNORE_INDEX
+
+__all__ = ["apply_ulysses", "fsdp_mesh", "shard_batch", "sp_loss"]
+
+FULL_POSITIONS = "ulysses_full_position_ids"
+"""The kwarg that carries the full sequence's positions [B, S] from the pre-hook to every attention call."""
+
+
+def _sp_mesh(mesh: DeviceMesh, sp_dim: str) -> DeviceMesh:
+    names = mesh.mesh_dim_names or ()
+    if sp_dim not in names:
+        raise ValueError(f"mesh has dims {list(names)}, no {sp_dim!r}: name the sequence-parallel dim with sp_dim=")
+    return mesh[sp_dim] if mesh.ndim > 1 else mesh
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Every rank of ``mesh`` as one 1-D mesh: what ``fully_shard`` shards over and reduces gradients on."""
+    if mesh.ndim == 1:
+        return mesh
+    return mesh._flatten("_".join(mesh.mesh_dim_names))
+
+
+def _refusal(model: nn.Module) -> str | None:
+    """Why ``model``'s attention cannot be wrapped, in one line naming its class; None when it can."""
+    from transformers import PreTrainedModel
+
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel):
+        return f"apply_ulysses: {name} is not a transformers PreTrainedModel"
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return f"apply_ulysses: {name} is an encoder-decoder; Ulysses wraps causal decoder self-attention only"
+    if not (model._supports_attention_backend and model._can_set_attn_implementation()):
+        return (f"apply_ulysses: {name} does not route attention through transformers' AttentionInterface, "
+                f"so its attention cannot be wrapped")
+    for module in model.modules():
+        if getattr(module, "is_causal", True) is False or getattr(module, "is_cross_attention", False):
+            return (f"apply_ulysses: {name} has non-causal or cross-attention ({type(module).__name__}); "
+                    f"Ulysses wraps causal decoder self-attention only")
+    if getattr(config, "num_attention_heads", None) is None:
+        return f"apply_ulysses: {name}'s config has no num_attention_heads"
+    return None
+
+
+class _LocalHeads:
+    """The attention module as the kernel sees it after the exchange: its q/kv head ratio is this rank's."""
+
+    def __init__(self, module: nn.Module, groups: int):
+        self._module = module
+        self.num_key_value_groups = groups
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+class _KernelConfig:
+    """The model's config, with the inner kernel's name and a layer's window: what transformers' mask builders read."""
+
+    def __init__(self, config, kernel: str, window: int | None):
+        self._config = config
+        self._attn_implementation = kernel
+        self.sliding_window = window
+        self.is_causal = True
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+class _UlyssesFunction:
+    """The function registered in ``AttentionInterface``: the exchange around ``kernel``."""
+
+    def __init__(self, sp_mesh: DeviceMesh, kernel: str):
+        self.kernel = kernel
+        self.exchange = UlyssesAttention(self._local, sp_mesh)
+        self.exchange.check_slices = False  # the pre-hook checks the slice lengths once per forward
+        self._masks: tuple = (None, {})  # (the full positions they were built for, {(window, dtype): mask})
+
+    def _kernel_fn(self, module):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        if self.kernel == "eager":  # each model file has its own (softcapping, sinks, ...)
+            fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+            if fn is None:
+                raise ValueError(f"{type(module).__name__}: no eager_attention_forward in its module; "
+                                 f"load the model with attn_implementation='sdpa' before apply_ulysses")
+            return fn
+        return ALL_ATTENTION_FUNCTIONS[self.kernel]
+
+    def _mask(self, module, full_pos: torch.Tensor, window, dtype, device):
+        """The mask of the full sequence for ``self.kernel``, as transformers builds it for one process."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        built_for, masks = self._masks
+        if built_for is not full_pos:  # a new forward (an AC recompute passes the same tensor again)
+            masks = {}
+            self._masks = (full_pos, masks)
+        key = (window, dtype)
+        if key not in masks:
+            embeds = torch.empty(*full_pos.shape, 0, dtype=dtype, device=device)  # [B, S, 0]: shape and dtype only
+            config = _KernelConfig(module.config, self.kernel, window)
+            build = create_sliding_window_causal_mask if window else create_causal_mask
+            masks[key] = build(config=config, inputs_embeds=embeds, attention_mask=None, cache=None,
+                               position_ids=full_pos)
+        return masks[key]
+
+    def _local(self, q, k, v, module, mask, kwargs, sinks=None):
+        # q: [B, S, Hq_r, D], k/v: [B, S, Hkv_r, D] -> the kernel's [B, H, S, D]
+        if sinks is not None:
+            kwargs = {**kwargs, "s_aux": sinks}
+        heads = _LocalHeads(module, q.shape[2] // k.shape[2])
+        out, _ = self._kernel_fn(module)(heads, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, **kwargs)
+        return out  # [B, S, Hq_r, D]
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        # query: [B, Hq, S/P, D], key/value: [B, Hkv, S/P, D]
+        name = type(module).__name__
+        full_pos = kwargs.pop(FULL_POSITIONS, None)
+        if full_pos is None:
+            raise ValueError(f"{name}: no full-sequence positions; call the model apply_ulysses was given "
+                             f"(its forward pre-hook provides them), not a submodule")
+        if attention_mask is not None or query.shape[2] != key.shape[2]:
+            raise ValueError(f"{name}: under apply_ulysses attention takes no mask or cache (got "
+                             f"{'a mask' if attention_mask is not None else 'a cache'}); pass padding as ignored "
+                             f"labels (shard_batch does) and use_cache=False")
+        for unused in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+            if kwargs.get(unused) is not None:
+                raise ValueError(f"{name}: {unused} describe one rank's slice; pass packed documents as "
+                                 f"position_ids restarting at 0 (shard_batch keeps them global)")
+        kwargs["position_ids"] = full_pos  # flash kernels find packed documents in them
+        mask = self._mask(module, full_pos, kwargs.get("sliding_window"), query.dtype, query.device)
+        sinks = kwargs.pop("s_aux", None)
+        out = self.exchange(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                            module, mask, kwargs, sinks=sinks)  # [B, S/P, Hq, D]
+        return out, None
+
+
+def _positions_hook(sp_mesh: DeviceMesh):
+    """A forward pre-hook: global ``position_ids`` for this rank's tokens, and the full sequence's for attention."""
+    sp, rank, group = sp_mesh.size(), sp_mesh.get_local_rank(), sp_mesh.get_group()
+
+    def hook(module, args, kwargs):
+        signature = inspect.signature(module.forward)
+        bound = signature.bind(*args, **kwargs)
+        arguments = bound.arguments
+        var_kw = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
+        extra = arguments.get(var_kw, {})  # the **kwargs transformers passes down to attention
+        ids = arguments.get("input_ids")
+        ids = ids if ids is not None else arguments["inputs_embeds"]
+        b, s_local = ids.shape[:2]
+        if arguments.get("cache") is not None or arguments.get("past_key_values") is not None:
+            raise ValueError(f"{type(module).__name__} under apply_ulysses: no cache (training forward only)")
+        mask = arguments.get("attention_mask")
+        if mask is not None:
+            if not bool(mask.all()):
+                raise ValueError(f"{type(module).__name__} under apply_ulysses: attention_mask with padding; "
+                                 f"shard_batch turns padding into ignored labels instead")
+            arguments["attention_mask"] = None
+        lengths = torch.empty(sp, dtype=torch.int64, device=ids.device)
+        dist.all_gather_into_tensor(lengths, torch.tensor([s_local], device=ids.device), group=group)
+        if len(set(lengths.tolist())) > 1:
+            raise ValueError(f"the sp ranks hold {lengths.tolist()} tokens; every rank must hold S/sp "
+                             f"(shard_batch pads S to a multiple of sp)")
+        positions = arguments.get("position_ids")
+        if positions is None:  # global positions of this rank's tokens
+            positions = torch.arange(rank * s_local, (rank + 1) * s_local, device=ids.device)[None]
+        positions = positions.expand(b, s_local)  # [B, S/P]
+        gathered = positions.new_empty(sp * b, s_local)  # [P * B, S/P]: rank j's block j
+        dist.all_gather_into_tensor(gathered, positions.contiguous(), group=group)
+        full = gathered.view(sp, b, s_local).transpose(0, 1).reshape(b, sp * s_local)  # [B, S]
+        arguments["position_ids"] = positions
+        if "use_cache" in signature.parameters:
+            arguments["use_cache"] = False
+        arguments[var_kw] = {**extra, FULL_POSITIONS: full}
+        return bound.args, bound.kwargs
+
+    return hook
+
+
+def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp") -> nn.Module:
+    """Switch ``model`` (a transformers decoder) to Ulysses over the ``sp_dim`` dim of ``mesh``.
+
+    Registers a function in transformers' ``AttentionInterface`` wrapping the model's current
+    kernel (``config._attn_implementation``), sets the model to it and adds a forward pre-hook
+    for the positions. Call it before ``fully_shard``, activation checkpointing and compile;
+    feed the model :func:`shard_batch`'s slices. Returns ``model``.
+    """
+    reason = _refusal(model)
+    if reason:
+        raise ValueError(reason)
+    from transformers import AttentionInterface
+
+    sp_mesh = _sp_mesh(mesh, sp_dim)
+    config = model.config
+    n_heads = config.num_attention_heads
+    check_heads(n_heads, getattr(config, "num_key_value_heads", None) or n_heads, sp_mesh.size(), 1)
+    kernel = config._attn_implementation
+    if kernel.startswith("titan_ulysses"):
+        raise ValueError(f"apply_ulysses: {type(model).__name__} is already under apply_ulysses ({kernel})")
+    name = f"titan_ulysses_{kernel}_sp{sp_mesh.size()}_{sp_mesh.get_group().group_name}"
+    AttentionInterface.register(name, _UlyssesFunction(sp_mesh, kernel))
+    model.set_attn_implementation(name)
+    model.register_forward_pre_hook(_positions_hook(sp_mesh), with_kwargs=True)
+    return model
+
+
+def shard_batch(batch: dict, mesh: DeviceMesh, sp_dim: str = "sp", pad_token_id: int = 0) -> dict:
+    """This sp rank's slice of a full batch (the same on every rank of an sp group).
+
+    ``batch``: ``input_ids`` [B, S]; optional ``labels`` (transformers' convention: unshifted,
+    -100 ignored; default ``input_ids``), ``position_ids`` (packed documents restart at 0) and
+    ``attention_mask`` (right padding only). Returns ``input_ids``, ``position_ids`` (global)
+    and ``shift_labels``: labels shifted on the full sequence, -100 on padding, so that
+    position t predicts token t+1 even across the slice boundary. S is padded to a multiple of sp.
+    """
+    sp_mesh = _sp_mesh(mesh, sp_dim)
+    ids = batch["input_ids"]  # [B, S]
+    labels = batch.get("labels")
+    labels = ids if labels is None else labels
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # [B, S]: the label of token t is token t+1
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        mask = mask.bool()
+        if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+            raise ValueError("shard_batch: attention_mask has padding before real tokens; pad on the right "
+                             "(tokenizer.padding_side = 'right') or pack documents with position_ids")
+        shifted = shifted.masked_fill(~F.pad(mask[:, 1:], (0, 1), value=False), IGNORE_INDEX)
+    part = _shard(ids, shifted, sp_mesh.get_local_rank(), sp_mesh.size(), positions=batch.get("position_ids"),
+                  pad_token=pad_token_id)
+    return {"input_ids": part.tokens.contiguous(), "position_ids": part.positions.contiguous(),
+            "shift_labels": part.labels.contiguous()}  # [B, S_pad/sp] each; transformers' loss views them flat
+
+
+def sp_loss(logits_or_loss: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The token-mean loss of the whole batch over every rank of ``mesh``, from this rank's share.
+
+    ``logits_or_loss``: this rank's logits [B, S/P, V], or transformers' loss of them (the mean
+    over this rank's tokens, from ``shift_labels``; every rank must then hold a loss token).
+    ``labels``: this rank's ``shift_labels``. As ``forward_backward``: this rank's summed token
+    losses over the token count of the whole mesh (one all-reduce of the sum and the count). The
+    value returned is that global mean on every rank; its gradient is the rank's share times
+    the mesh size, which ``fully_shard``'s default mean over :func:`fsdp_mesh` turns into one
+    process's gradient.
+    """
+    count = (labels != IGNORE_INDEX).sum()
+    if logits_or_loss.dim() == 0:
+        local = logits_or_loss.float() * count
+    else:
+        local = F.cross_entropy(logits_or_loss.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                reduction="sum")
+    totals = torch.stack([local.detach(), count.to(local.dtype)])
+    for dim in range(mesh.ndim):  # summed over every rank of the mesh
+        if mesh.size(dim) > 1:
+            dist.all_reduce(totals, group=mesh.get_group(dim))
+    total, n_tokens = totals[0], totals[1]
+    share = local * mesh.size() / n_tokens
+    return share + (total / n_tokens - share.detach())
