@@ -22,8 +22,8 @@ SMOKE = {
     "cp and tp": ["tests/test_context_parallel.py::test_cp_layout_matches_single_process[cp2-tp2]"],
     "ep": ["tests/test_expert_parallel.py::test_expert_parallel_matches_one_process[qwen3-mixtral]"],
     "LoRA and float8 emulation": ["tests/test_lora.py::test_lora_layout_matches_single_process[sp2-float8-rowwise]"],
-    "compile and offload": [
-        "tests/test_compile.py::test_compile_composes_with_tiled_mlp_chunked_loss_offload_and_float8[full_offload-False]",
+    "compile (the trainer's apply_compile over head-staged, fully checkpointed layers)": [
+        "tests/test_staged_attention.py::test_compiled_staged_layers_share_one_graph",
     ],
     "offload's host copies": [
         "tests/test_activation_offload.py::test_block_inputs_travel_to_host_and_back_one_block_ahead",
