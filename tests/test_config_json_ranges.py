@@ -131,3 +131,9 @@ def test_the_toml_factor_follows_the_same_rule():
     with pytest.raises(ConfigError, match=r"^model.rope_scaling_factor must be 0 \(off\) or >= 1 .*got 0.5$"):
         validate(load_config(["--model.rope_scaling_factor", "0.5"]), 1)
     validate(load_config(["--model.rope_scaling_factor", "1"]), 1)
+
+
+def test_the_toml_load_balancing_weight_has_config_jsons_bound():
+    """--model.router_aux_loss_coef 1e30 passed validation and stopped the run at step 1 (issue 38)."""
+    with pytest.raises(ConfigError, match=r"^model.router_aux_loss_coef must lie in \[-1, 1\], got 1e\+30"):
+        validate(load_config(["--model.router_aux_loss_coef", "1e30"]), 1)

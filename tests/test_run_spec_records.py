@@ -117,3 +117,12 @@ def test_override_recorded_refuses_what_no_override_can_change(name):
     with pytest.raises(ConfigError, match=rf"^checkpoint.override_recorded names {name}, which no override can "
                                           rf"change \(a checkpoint's LoRA adapters"):
         resolve_run(load_config(["--checkpoint.override_recorded", name]), tokenizer=False)
+
+
+def test_a_resume_refusal_never_advises_an_override_that_is_refused():
+    from titan_ulysses.config.resume import resume_changes, resume_settings
+
+    saved = resume_settings(load_config(["--lora.rank", "4"]))
+    with pytest.raises(ConfigError, match=r"\(lora.rank 4 -> 8\); nothing was loaded: set them back; lora.rank cannot change on resume "
+                                          r"\(start a new run from its merged model: titan-export"):
+        resume_changes(saved, resume_settings(load_config(["--lora.rank", "8"])))

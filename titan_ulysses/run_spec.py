@@ -215,7 +215,7 @@ def _tokenizer_change(record: str, spec_kind: str, path: str, tok) -> tuple[str,
     """Another tokenizer than the one the record's run was trained with (its data settings): named."""
     try:
         settings = read_data_settings(record)
-    except (OSError, ValueError, RuntimeError):
+    except (OSError, ValueError, RuntimeError, EOFError):  # unreadable settings: nothing to compare (no note)
         settings = None
     if not settings or "tokenizer" not in settings:
         return ()

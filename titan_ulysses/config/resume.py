@@ -79,6 +79,12 @@ def resume_changes(saved: dict | None, current: dict, override: tuple[str, ...] 
     refused = [k for k in changed if k in MODEL_SETTINGS and k not in override]
     if refused:
         what = ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused)
+        fixed = [k for k in refused if k in FIXED_SETTINGS]
+        if fixed:  # no override can change them: overrides() refuses the advice below
+            raise ConfigError(f"the resumed checkpoint was trained with other model settings ({what}); nothing was "
+                              f"loaded: set them back; {fixed[0]} cannot change on resume (start a new run from its "
+                              f"merged model: titan-export --checkpoint STEP --output DIR, then --model.hf_assets_path "
+                              f"DIR)")
         raise ConfigError(f"the resumed checkpoint was trained with other model settings ({what}); nothing was "
                           f"loaded: set them back, resume on purpose with --checkpoint.override_recorded "
                           f"{','.join(refused)}, or train these settings from the start in another job.dump_folder "
