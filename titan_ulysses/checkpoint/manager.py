@@ -232,7 +232,7 @@ class CheckpointManager:
         newest = self._newest_good()
         files = manifest.read_manifest(newest) if newest else None
         needed = sum(e["size"] for e in files.values()) if files else state_bytes(self.model, self.optimizer) * self._world()
-        raise explain_save_error(error, tmp, needed, newest) from error
+        raise explain_save_error(error, tmp, needed, newest, len(complete_steps(self.folder))) from error
 
     def _finish_pending(self) -> bool:
         """Wait for the save in flight and commit it; False when there was none."""
