@@ -133,8 +133,7 @@ class CheckpointManager:
     def _dir(self, step: int) -> str:
         return os.path.join(self.folder, f"step-{step}")
 
-    def step_dir(self, step: int) -> str:
-        """The folder of this run's checkpoint of ``step``."""
+    def step_dir(self, step: int) -> str:  # the folder of this run's checkpoint of ``step``
         return self._dir(step)
 
     def latest_step(self) -> int | None:
@@ -360,6 +359,7 @@ class CheckpointManager:
         saved = self._from_rank0(self._saved(path))
         if self.check_settings is not None:
             self.check_settings(saved)
+        check_adapters(self.model, FileSystemReader(path).read_metadata().state_dict_metadata, path)  # LoRA's line
         reason = next((r for r in self._gather(model_mismatch(path, model_shapes(self.model))) if r), None)
         if reason:
             raise mismatch_refusal(path, reason, saved, self.settings)
