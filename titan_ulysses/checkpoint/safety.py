@@ -123,3 +123,9 @@ def explain_save_error(exc: BaseException, path: str, needed: int, newest_good: 
         return SaveFailedError(errno.ENOSPC, f"no space left on device while saving {path}: {space}; {kept}. "
                                              f"{free_more}, or {room}, and rerun: {leftover}")
     return SaveFailedError(errno.EIO, f"saving {path} failed: {space}; {kept}. Rerun to resume from it: {leftover}")
+
+
+def commit_failed(error: str, newest_good: str | None) -> SaveFailedError:
+    """The one line for a save whose data was written but whose commit (manifest, rename) failed."""
+    kept = f"the newest good checkpoint, {newest_good}, is kept" if newest_good else "no checkpoint was saved before"
+    return SaveFailedError(errno.EIO, f"{error}; {kept}: free space (or fix the folder) and rerun to resume from it")
