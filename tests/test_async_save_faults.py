@@ -116,7 +116,8 @@ def _full_disk(folder):
         # the failure surfaces where the save is finished (the next save, wait() or close()), on every rank
         with pytest.raises(OSError, match=r"^\[Errno 28\] no space left on device while saving .*step-2\.tmp: a "
                                           r"checkpoint of this run needs about .*; the newest good checkpoint, "
-                                          r".*step-1, is kept\. Free space"):
+                                          r".*step-1, is kept\. Free .* or point checkpoint.folder at a filesystem with "
+                                          r"room \(keep_latest_k cannot help: the folder holds 1 checkpoint and"):
             mgr.wait()
     assert complete_steps(folder) == [1]
     assert mgr.load() == 1 and loader.n == 1  # the same run goes on from it

@@ -28,6 +28,22 @@ def test_shipped_configs_resolve_by_name_and_refuse_in_one_line(tmp_path, monkey
     with pytest.raises(ConfigError) as e:
         load_config(["--config", "llama3_8b_128"])
     assert "\n" not in str(e.value) and "nor is it a shipped config" in str(e.value) and "llama3_8b_128k" in str(e.value)
+    # issue 38: a folder is not "no such file": it is named a folder, with the TOML files in it
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "mine.toml").write_text("")
+    with pytest.raises(ConfigError, match=rf"^--config {tmp_path / 'configs'} is a folder, not a TOML file; the TOML "
+                                          rf"files there: mine.toml \(e.g. --config {tmp_path / 'configs' / 'mine.toml'}\)"):
+        load_config(["--config", str(tmp_path / "configs")])
+
+
+def test_estimate_refuses_a_bad_config_with_exit_code_2(capsys):
+    """Issue 38: titan-estimate exited 1 on a config error (train.py and the other commands exit 2)."""
+    from titan_ulysses.tools.estimate_memory import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(["--config", "no_such_config", "--world-size", "8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("config error: --config no_such_config: "), err
 
 
 def test_a_bare_train_prints_the_usage_and_help_prints_one_section(capsys):

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -62,20 +63,7 @@ def _train(argv, hook=None):
 
         trainer.train_step = unchanged
     if hook == "disk_full_at_4":
-        from torch.distributed.checkpoint.filesystem import FileSystem
-
-        real = FileSystem.create_stream
-
-        @contextlib.contextmanager
-        def full_disk(self, path, mode):
-            if "step-4.tmp" in str(path) and "w" in mode:
-                with real(self, path, mode) as f:
-                    f.write(b"half a shard")
-                    raise OSError(errno.ENOSPC, "No space left on device", str(path))
-            with real(self, path, mode) as f:
-                yield f
-
-        FileSystem.create_stream = full_disk
+        _full_disk_at(4)
     if hook == "stall_rank1_at_2" and dist.get_rank() == 1:
         step_fn = trainer.train_step
 
@@ -99,6 +87,33 @@ def _state(trainer) -> dict:
     for i, state in enumerate(trainer.optimizer.state.values()):
         out.update({f"optimizer.{i}.{k}": local(v) for k, v in state.items()})
     return out
+
+
+def _full_disk_at(step):
+    """The checkpoint writer's streams of ``step-{step}.tmp`` fail half-way with ENOSPC."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    real = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def full_disk(self, path, mode):
+        if f"step-{step}.tmp" in str(path) and "w" in mode:
+            with real(self, path, mode) as f:
+                f.write(b"half a shard")
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        with real(self, path, mode) as f:
+            yield f
+
+    FileSystem.create_stream = full_disk
+
+
+def _main_on_a_full_disk(argv):
+    """train.py's main, as the command runs it, with the disk full at step 4's save: exit code 1."""
+    sys.path.insert(0, ROOT)
+    import train
+
+    _full_disk_at(4)
+    assert train.main(argv) == 1
 
 
 def run(argv, folder, hook=None, world=2):
@@ -187,13 +202,17 @@ def test_damaged_checkpoint_falls_back_and_a_full_disk_keeps_the_last_good_one(t
     data[len(data) // 2] ^= 0xFF  # bytes changed inside a tensor file
     shard.write_bytes(bytes(data))
     capfd.readouterr()
-    # the rerun falls back to step-2; then its save of step 4 finds the disk full
-    with pytest.raises(Exception, match=r"no space left on device while saving .*step-4.tmp: a checkpoint of this "
-                                        r"run needs about .* GiB and .* GiB are free on that filesystem; the newest "
-                                        r"good checkpoint, .*step-2, is kept"):
-        run(["--training.steps", "6"], folder, "disk_full_at_4")
+    # the rerun falls back to step-2; then its save of step 4 finds the disk full: one line, no traceback, and
+    # advice that fits a folder of one checkpoint (keep_latest_k cannot free anything)
+    run_distributed(_main_on_a_full_disk, 2, FAST + ["--training.steps", "6", "--job.dump_folder", str(folder)])
     err = capfd.readouterr().err
     assert f"{shard} does not match its checksum" in err and "falling back to the previous checkpoint" in err
+    errors = [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert len(errors) == 1 and re.fullmatch(
+        r"checkpoint error: no space left on device while saving .*step-4.tmp: a checkpoint of this run needs about "
+        r"\d+\.\d\d GiB and \d+\.\d\d GiB are free on that filesystem; the newest good checkpoint, .*step-2, is kept\. "
+        r"Free .*, or point checkpoint.folder at a filesystem with room \(keep_latest_k cannot help: the folder holds "
+        r"1 checkpoint and the newest is always kept\), and rerun: the leftover step-4.tmp .*", errors[0]), errors
     assert steps_on_disk(folder) == ["step-2", "step-4.bad", "step-4.tmp"]
     with open(folder / "metrics.jsonl") as f:
         assert all(line.endswith("\n") and json.loads(line) for line in f)

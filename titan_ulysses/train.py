@@ -15,6 +15,10 @@ the launcher then reports the failed workers (``exitcode: 2``) and exits 1 itsel
 exits 1 whenever a worker fails. Its report ends with the same line (rank 0 writes it to
 torchrun's error file, which the report's ``traceback :`` field shows), so the refusal is both
 the first line of the failure and the last.
+
+A checkpoint save that fails (a full disk) ends the run with exit code 1 and one line the same way
+(``checkpoint error: ...``: the space needed and free, and what makes room); the last good
+checkpoint is kept.
 """
 
 import os
@@ -45,6 +49,7 @@ def _preempted_while_importing(signum, frame):
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 EXIT_REFUSED = 2
+EXIT_FAILED = 1  # a run that started and failed in a way it explains in one line (a checkpoint save)
 RANK0_FIRST_S = 3.0
 DRY_RUN_OPTIONS = {"--world-size": int, "--device-memory-gib": float}  # only with --dry-run
 
@@ -105,7 +110,7 @@ def main(argv: list[str]) -> int:
 
     from titan_ulysses.config.manager import ConfigError, load_config
     from titan_ulysses.data.sources import DataError
-    from titan_ulysses.checkpoint.errors import RunRefused  # a folder in use, every checkpoint damaged
+    from titan_ulysses.checkpoint.errors import RunRefused, SaveFailedError  # a folder in use, ...; a full disk
     from titan_ulysses.interop.peft_export import AdapterMismatchError
     from titan_ulysses.checkpoint.verify import UntrustedCheckpointError  # initial_load_path, a resume step
 
@@ -143,7 +148,15 @@ def main(argv: list[str]) -> int:
                 signal.signal(sig, lambda signum, frame: os._exit(0))
             time.sleep(RANK0_FIRST_S)
         return EXIT_REFUSED
-    trainer.train()
+    try:
+        trainer.train()
+    except SaveFailedError as e:  # every rank's save failed: one line (where, space needed and free, what to do)
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"checkpoint error: {e.strerror}", file=sys.stderr, flush=True)
+            tell_launcher(f"checkpoint error: {e.strerror}")
+        return EXIT_FAILED
     return 0
 
 

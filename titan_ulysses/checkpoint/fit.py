@@ -107,6 +107,10 @@ def check_resume(config, args) -> None:
     if not steps:
         return
     path = os.path.join(folder, f"step-{steps[-1]}")
+    try:
+        FileSystemReader(path).read_metadata()
+    except Exception:  # noqa: BLE001 (damage, not settings: the launch's verification names it and falls back)
+        return
     saved, current = saved_settings(path), resume_settings(config)
     resume_changes(saved, current, overrides(config))
     try:

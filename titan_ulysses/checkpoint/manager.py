@@ -49,7 +49,8 @@ from titan_ulysses.checkpoint import manifest
 from titan_ulysses.checkpoint.fit import (DOES_NOT_FIT, load_failure, mismatch_refusal, model_mismatch, model_shapes,
                                           saved_settings)
 from titan_ulysses.interop.peft_export import AdapterMismatchError, check_adapters, model_only_planner
-from titan_ulysses.checkpoint.safety import clean_up, explain_save_error, nonfinite_tensors, set_aside, state_bytes
+from titan_ulysses.checkpoint.safety import (clean_up, commit_failed, explain_save_error, nonfinite_tensors, set_aside,
+                                             state_bytes)
 from titan_ulysses.checkpoint.state import training_state
 from titan_ulysses.checkpoint.steps import complete_steps, missing_checkpoint  # noqa: F401 (public here)
 from titan_ulysses.checkpoint.verify import UntrustedCheckpointError, checkpoint_problem, untrusted
@@ -133,8 +134,7 @@ class CheckpointManager:
     def _dir(self, step: int) -> str:
         return os.path.join(self.folder, f"step-{step}")
 
-    def step_dir(self, step: int) -> str:
-        """The folder of this run's checkpoint of ``step``."""
+    def step_dir(self, step: int) -> str:  # the folder of this run's checkpoint of ``step``
         return self._dir(step)
 
     def latest_step(self) -> int | None:
@@ -160,13 +160,11 @@ class CheckpointManager:
 
     def from_rank0(self, value):
         """Rank 0's ``value`` on every rank (on the checkpoint group). Collective."""
-        return self._from_rank0(value)
-
-    def _from_rank0(self, value):
-        """Rank 0's ``value`` on every rank."""
         box = [value]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self._pg, 0) if self._pg else 0, group=self._pg)
         return box[0]
+
+    _from_rank0 = from_rank0
 
     def _gather(self, value) -> list:
         out = [None] * self._world()
@@ -232,7 +230,7 @@ class CheckpointManager:
         newest = self._newest_good()
         files = manifest.read_manifest(newest) if newest else None
         needed = sum(e["size"] for e in files.values()) if files else state_bytes(self.model, self.optimizer) * self._world()
-        raise explain_save_error(error, tmp, needed, newest) from error
+        raise explain_save_error(error, tmp, needed, newest, len(complete_steps(self.folder))) from error
 
     def _finish_pending(self) -> bool:
         """Wait for the save in flight and commit it; False when there was none."""
@@ -274,7 +272,7 @@ class CheckpointManager:
                 error = f"committing {tmp}: {e}"
         error = self._from_rank0(error)
         if error:
-            raise OSError(error)
+            raise commit_failed(error, self._newest_good())
         self._last_saved = step
 
     def _prune(self, keep: int) -> None:
@@ -360,6 +358,7 @@ class CheckpointManager:
         saved = self._from_rank0(self._saved(path))
         if self.check_settings is not None:
             self.check_settings(saved)
+        check_adapters(self.model, FileSystemReader(path).read_metadata().state_dict_metadata, path)  # LoRA's line
         reason = next((r for r in self._gather(model_mismatch(path, model_shapes(self.model))) if r), None)
         if reason:
             raise mismatch_refusal(path, reason, saved, self.settings)

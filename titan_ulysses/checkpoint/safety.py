@@ -20,6 +20,7 @@ import shutil
 
 import torch
 
+from titan_ulysses.checkpoint.errors import SaveFailedError
 from titan_ulysses.checkpoint.manifest import METADATA
 from titan_ulysses.data.build_lock import folder_bytes  # the bytes a failed save left, as a failed store build counts them
 
@@ -98,8 +99,11 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
-def explain_save_error(exc: BaseException, path: str, needed: int, newest_good: str | None) -> OSError:
-    """An OSError saying that saving to ``path`` failed (ran out of space, when it did), how much it needs and has."""
+def explain_save_error(exc: BaseException, path: str, needed: int, newest_good: str | None,
+                       checkpoints: int = 0) -> SaveFailedError:
+    """A one-line SaveFailedError saying that saving to ``path`` failed (ran out of space, when it did), how much
+    it needs and has, and advice that fits: ``checkpoints`` (complete ones in the folder) decides whether a lower
+    ``checkpoint.keep_latest_k`` can make room (it cannot with one checkpoint, which is always kept)."""
     folder = os.path.dirname(path)
     free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
     held = folder_bytes(path) if os.path.isdir(path) else 0  # written by the failed save, freed at the next start
@@ -109,6 +113,19 @@ def explain_save_error(exc: BaseException, path: str, needed: int, newest_good: 
     leftover = (f"the leftover {os.path.basename(path)} ({held / 2**30:.2f} GiB) is removed at start-up "
                 f"({_first_line(exc)})")
     if is_out_of_space(exc) or needed > free + held:
-        return OSError(errno.ENOSPC, f"no space left on device while saving {path}: {space}; {kept}. "
-                                     f"Free space (or lower checkpoint.keep_latest_k) and rerun: {leftover}")
-    return OSError(errno.EIO, f"saving {path} failed: {space}; {kept}. Rerun to resume from it: {leftover}")
+        short = max(needed - free - held, 0) / 2**30
+        room = (f"lower checkpoint.keep_latest_k (the folder holds {checkpoints} checkpoints; the newest is always "
+                f"kept)" if checkpoints > 1 else "point checkpoint.folder at a filesystem with room (keep_latest_k "
+                f"cannot help: the folder holds {checkpoints} checkpoint{'s' * (checkpoints != 1)} and the newest is "
+                f"always kept)")
+        free_more = (f"Free at least {short:.2f} GiB more there" if short > 0 else
+                     "Free space there (the filesystem reports enough now: a quota or another writer may hold it)")
+        return SaveFailedError(errno.ENOSPC, f"no space left on device while saving {path}: {space}; {kept}. "
+                                             f"{free_more}, or {room}, and rerun: {leftover}")
+    return SaveFailedError(errno.EIO, f"saving {path} failed: {space}; {kept}. Rerun to resume from it: {leftover}")
+
+
+def commit_failed(error: str, newest_good: str | None) -> SaveFailedError:
+    """The one line for a save whose data was written but whose commit (manifest, rename) failed."""
+    kept = f"the newest good checkpoint, {newest_good}, is kept" if newest_good else "no checkpoint was saved before"
+    return SaveFailedError(errno.EIO, f"{error}; {kept}: free space (or fix the folder) and rerun to resume from it")

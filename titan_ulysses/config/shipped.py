@@ -33,4 +33,9 @@ def config_path(value: str) -> str | None:
 def not_found(value: str) -> str:
     """The one-line refusal for a ``--config`` that is neither a file nor a shipped config."""
     names = ", ".join(shipped_configs()) or "none found: the package's configs folder is missing"
+    if os.path.isdir(value):  # "no such file" would mislead: it is there, as a folder
+        tomls = sorted(n for n in os.listdir(value) if n.endswith(".toml"))
+        there = (f"the TOML files there: {', '.join(tomls[:8])}{', ...' if len(tomls) > 8 else ''} (e.g. --config "
+                 f"{os.path.join(value, tomls[0])})" if tomls else "it holds no .toml file")
+        return f"--config {value} is a folder, not a TOML file; {there}; or a shipped config: {names}"
     return f"--config {value}: cannot read the file (no such file), nor is it a shipped config (shipped: {names})"

@@ -261,9 +261,17 @@ def main(argv=None) -> int:
     return 0
 
 
-def cli() -> None:
-    """The installed command (pyproject.toml's [project.scripts])."""
-    sys.exit(main())
+def cli(argv=None) -> None:
+    """The installed command (pyproject.toml's [project.scripts]): a refusal is one line on stderr and exit
+    code 2, as train.py's (``SystemExit("...")`` alone would exit 1)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        print(e.code, file=sys.stderr, flush=True)
+        code = 2
+    sys.exit(code)
 
 
 if __name__ == "__main__":
