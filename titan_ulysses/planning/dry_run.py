@@ -11,7 +11,9 @@ out only later, returned as the plan's text (model, layout, data, memory by phas
 * the memory estimate (``planning/estimate.py``) against the device memory: this
   machine's GPU, ``--device-memory-gib``, or on a machine without a GPU an 80 GiB H100
   (``DEFAULT_DEVICE_GIB``, as ``scripts/estimate_memory.py``). A launch only warns when the
-  estimate exceeds the device; the dry run refuses, naming the layout and switches that fit.
+  estimate exceeds the device; the dry run refuses, naming the AC mode or offload that fits at
+  this layout and the layout and switches that fit. The plan says which GPUs (H100, H200) the
+  estimate fits (``recommend.devices_that_fit``).
 
 The plan is for CUDA devices (a launch on a CPU machine also refuses attention backends
 other than sdpa). Every refusal is a ``ConfigError`` or ``DataError`` of one line.
@@ -32,7 +34,7 @@ from titan_ulysses.data.sources import DataError, list_files, read_rows, work_it
 from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.planning.estimate import estimate
 from titan_ulysses.planning.inputs import GIB, from_config
-from titan_ulysses.planning.recommend import memory_warning
+from titan_ulysses.planning.recommend import devices_that_fit, memory_warning
 
 
 DEFAULT_DEVICE_GIB = 80.0
@@ -164,7 +166,8 @@ def _memory(config: JobConfig, dims, device_gib: float | None, args) -> list[str
         raise ConfigError(warning)
     phases = ", ".join(f"{name} {b / GIB:.2f}" for name, b in est.phases.items())
     lines = [f"memory per device (estimate): {est.total / GIB:.2f} GiB at {est.peak_phase}, of {where}; "
-             f"by phase (GiB): {phases}" + ("; experts' routing counted balanced" if args.moe is not None else "")]
+             f"by phase (GiB): {phases}" + ("; experts' routing counted balanced" if args.moe is not None else ""),
+             f"device memory needed (estimate): {devices_that_fit(est.total)}"]
     if est.host_offloaded:
         lines.append(f"host memory per rank (estimate): {est.host_offloaded / GIB:.2f} GiB (FSDP CPU offload's states, "
                      f"full_offload's block inputs)")

@@ -15,6 +15,9 @@ from titan_ulysses.planning.inputs import GIB, Layout, Switches, from_config
 from titan_ulysses.ops.attention import get_backend
 
 BUDGET = 0.9  # of the device: the rest is the CUDA context, NCCL buffers, fragmentation
+DEVICES = (("H100", 80.0), ("H200", 141.0))
+"""The GPUs the docs give figures for and their memory in GiB, as the configs' headers name them."""
+_AC_STRENGTH = {"none": 0, "selective": 1, "full": 2, "full_offload": 3}
 
 
 SWITCH_ORDER = [  # (override, Switches change), cumulative, as in docs/memory.md's table
@@ -78,6 +81,42 @@ def recommend(args, layout: Layout, switches: Switches, seq_len, batch, world, b
     return None
 
 
+def devices_that_fit(total: float) -> str:
+    """Which of ``DEVICES`` a step of ``total`` bytes fits (within ``BUDGET`` of the device), in words."""
+    fits = [f"{name} ({gib:g} GB)" for name, gib in DEVICES if total <= BUDGET * gib * GIB]
+    need = f"needs {total / BUDGET / GIB:.0f} GiB of device memory (the step within {BUDGET:.0%} of it)"
+    if len(fits) == len(DEVICES):
+        return f"{need}: fits an {' or an '.join(fits)}"
+    if fits:
+        return f"{need}: more than an {DEVICES[0][0]} ({DEVICES[0][1]:g} GB); fits an {' or an '.join(fits)}"
+    return f"{need}: more than any of {', '.join(f'{n} ({g:g} GB)' for n, g in DEVICES)}"
+
+
+def _stronger(switches: Switches, change: dict) -> bool:
+    """Whether ``change`` (a SWITCH_ORDER step) saves memory over ``switches`` as they are."""
+    key, value = next(iter(change.items()))
+    if key == "ac_mode":
+        return _AC_STRENGTH[value] > _AC_STRENGTH[switches.ac_mode]
+    if key in ("loss_chunk_size", "mlp_tile_size"):
+        return getattr(switches, key) == 0
+    return getattr(switches, key) != value
+
+
+def at_this_layout(args, layout: Layout, switches: Switches, seq_len, batch, budget):
+    """The fewest memory switches (SWITCH_ORDER's, cumulative, those that save memory over ``switches``)
+    that fit ``budget`` bytes at this very layout: (overrides, estimate) or None."""
+    sw, overrides = switches, {}
+    for flag, change in SWITCH_ORDER:
+        if not _stronger(sw, change):
+            continue
+        sw = dataclasses.replace(sw, **change)
+        overrides[flag.split()[0]] = flag
+        est = estimate(args, layout, sw, seq_len, batch)
+        if est.total <= budget:
+            return list(overrides.values()), est
+    return None
+
+
 def memory_warning(config, dims, world_size: int, device_bytes: float, args=None) -> str | None:
     """A warning when the estimate exceeds the device, naming what estimate_memory.py recommends
     (``args``: the run spec's model, default the config's)."""
@@ -90,6 +129,9 @@ def memory_warning(config, dims, world_size: int, device_bytes: float, args=None
                     config.model.attn_backend)
     advice = ("no ulysses_degree within the job and no memory switch makes it fit: shorten training.seq_len"
               if rec is None else f"scripts/estimate_memory.py recommends {' '.join(rec[1])} ({rec[2].total / GIB:.1f} GiB)")
+    here = at_this_layout(args, layout, switches, t.seq_len, t.local_batch_size, BUDGET * device_bytes)
+    if here is not None:  # the AC mode or offload that fits without changing the layout
+        advice = f"at this layout {' '.join(here[0])} fits ({here[1].total / GIB:.1f} GiB); " + advice
     return (f"the memory estimate of this config is {est.total / GIB:.1f} GiB per device, more than the device's "
             f"{device_bytes / GIB:.1f} GiB (seq_len {t.seq_len}, layout {dims.degrees}); {advice}; "
             f"details: python scripts/estimate_memory.py --config <this config> --world-size {world_size}")

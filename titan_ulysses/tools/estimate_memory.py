@@ -48,7 +48,7 @@ import sys
 from titan_ulysses.config.manager import ConfigError, load_config
 from titan_ulysses.planning.estimate import estimate, largest_seq_len
 from titan_ulysses.planning.inputs import GIB, Switches, from_config
-from titan_ulysses.planning.recommend import BUDGET, recommend
+from titan_ulysses.planning.recommend import BUDGET, devices_that_fit, recommend
 from titan_ulysses.preflight import validate
 from titan_ulysses.run_spec import resolve_run
 
@@ -238,6 +238,7 @@ def main(argv=None) -> int:
     for key, value in est.phases.items():
         print(f"    {key:<24} {value / GIB:10.2f} GiB{'  <- peak' if key == est.peak_phase else ''}")
     print(f"  {'total':<26} {est.total / GIB:10.2f} GiB")
+    print(f"device memory needed (estimate): {devices_that_fit(est.total)}")
     print(f"largest seq_len fitting 90% of {a.device_memory_gib:g} GiB with this layout and switches: {longest}")
     if rec is None:
         print(f"no ulysses_degree within {a.world_size} GPUs and no switch makes seq_len {t.seq_len} fit")
