@@ -1,6 +1,14 @@
-"""Start-up time and peak memory of training on a large local corpus, cold and warm cache.
+"""Start-up time and peak memory of training on a large local corpus, cold and warm cache;
+or, with ``--prefetch``, the step line's data_wait with and without the prefetch thread.
 
     python scripts/bench_data.py --corpus /tmp/corpus300 --mb 300 --nproc 2 --sp 2
+    python scripts/bench_data.py --prefetch --seq-len 16384 --steps 6
+
+``--prefetch``: the same passkey run (debugmodel, float32, one process) with
+``training.prefetch_batches`` 0 (each step's batches read when the step starts) and 2 (read
+by a thread while the previous steps train); it prints the device and, for each, the mean
+data_wait per step (metrics.jsonl, every step logged, the first step left out: start-up)
+and the mean step time.
 
 Writes a synthetic ``.jsonl`` corpus of about ``--mb`` MB (long documents of random words,
 made once and kept), removes its token cache, then launches the same one-step training run
@@ -68,6 +76,44 @@ def run_once(corpus: str, nproc: int, sp: int, seq_len: int, dump: str) -> tuple
     return first_step, peak, "torchrun " + " ".join(cmd[3:])
 
 
+def prefetch_ab(seq_len: int, steps: int, batch: int, dump: str) -> int:
+    """data_wait per step at training.prefetch_batches 0 and 2, same run otherwise."""
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "train.py",
+            "--config", "debug_model", "--training.dataset", "passkey", "--model.tokenizer", "byte",
+            "--training.seq_len", str(seq_len), "--training.local_batch_size", "1",
+            "--training.global_batch_size", str(batch), "--training.steps", str(steps),
+            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--checkpoint.enable", "false",
+            "--validation.enable", "false", "--parallelism.ulysses_degree", "1"]
+    sys.path.insert(0, ROOT)
+    from titan_ulysses.data.datasets import PasskeyDataset
+    from titan_ulysses.data.tokenizer import ByteTokenizer
+
+    ds = PasskeyDataset(ByteTokenizer(), seq_len, seed=0)
+    ds[0]
+    start = time.perf_counter()
+    for i in range(1, 21):
+        ds[i]
+    print(f"host: one passkey sample of {seq_len} tokens built in {1e3 * (time.perf_counter() - start) / 20:.2f} ms "
+          f"(mean of 20, byte tokenizer)", flush=True)
+    for ahead in (0, 2):
+        folder = os.path.join(dump, f"prefetch{ahead}")
+        shutil.rmtree(folder, ignore_errors=True)
+        cmd = base + ["--training.prefetch_batches", str(ahead), "--job.dump_folder", folder]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])
+        device = next((part.split()[1] for line in out.stdout.splitlines() if line.startswith("titan-ulysses:")
+                       for part in line.split(", ") if part.startswith("device ")), "?")
+        with open(os.path.join(folder, "metrics.jsonl")) as f:
+            rows = [r for r in map(json.loads, f) if "data_wait_sec" in r and r.get("step", 0) > 1]
+        wait = sum(r["data_wait_sec"] for r in rows) / len(rows)
+        step_s = (rows[-1]["elapsed_sec"] - rows[0]["elapsed_sec"]) / max(len(rows) - 1, 1)
+        print(f"device {device}  prefetch_batches {ahead}: data_wait {1e3 * wait:.1f} ms/step, "
+              f"step {step_s:.2f} s (mean of steps 2-{steps}; {batch} samples of {seq_len} tokens a step)", flush=True)
+    print("command: torchrun " + " ".join(base[3:]) + " --training.prefetch_batches {0,2}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default="/tmp/titan_corpus")
@@ -75,8 +121,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--sp", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--prefetch", action="store_true", help="data_wait at training.prefetch_batches 0 and 2")
+    p.add_argument("--steps", type=int, default=6, help="--prefetch: steps of each run")
+    p.add_argument("--batch", type=int, default=4, help="--prefetch: samples per step (microbatches of one)")
     p.add_argument("--one-run", help=argparse.SUPPRESS)  # internal: one run, its own rusage
     args = p.parse_args(argv)
+    if args.prefetch:
+        return prefetch_ab(args.seq_len, args.steps, args.batch, os.path.join(args.corpus, "prefetch_runs"))
     if args.one_run:
         print(json.dumps(run_once(args.corpus, args.nproc, args.sp, args.seq_len, args.one_run)))
         return 0

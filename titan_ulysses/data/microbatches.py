@@ -16,12 +16,11 @@ from titan_ulysses.data.sharding import SPBatch, shard_host_batch, to_device
 
 class StepBatches:
     """``per_step`` microbatches per step for rank (``sp_rank`` of ``sp``, ``cp_rank`` of ``cp``);
-    ``packed``: rows hold several documents (attention masks per document); ``fetch``: how a
-    batch is taken from the loader's iterator."""
+    ``packed``: rows hold several documents (attention masks per document)."""
 
     def __init__(self, per_step: int, sp_rank: int, sp: int, cp_rank: int, cp: int, device: torch.device,
-                 packed: bool, pad_id: int, fetch=next):
-        self.per_step, self.device, self.packed, self.pad_id, self.fetch = per_step, device, packed, pad_id, fetch
+                 packed: bool, pad_id: int):
+        self.per_step, self.device, self.packed, self.pad_id = per_step, device, packed, pad_id
         self.sp_rank, self.sp, self.cp_rank, self.cp = sp_rank, sp, cp_rank, cp
         # page-locked host copies make the upload an asynchronous DMA; only with a CUDA device
         self.pin = torch.device(device).type == "cuda" and torch.cuda.is_available()
@@ -32,7 +31,7 @@ class StepBatches:
         counts = torch.zeros(3, dtype=torch.float64)
         microbatches = []
         for _ in range(self.per_step):
-            batch = self.fetch(data_iter)
+            batch = next(data_iter)
             truncated = batch["truncated"].sum() if "truncated" in batch else torch.zeros((), dtype=torch.long)
             counts += torch.stack([(batch["document_ids"] == -1).sum(), torch.tensor(batch["input"].numel()),
                                    truncated]).double()
