@@ -5,7 +5,9 @@
 
 Builds the ``Trainer`` of ``argv`` in this process (one rank, or a simulated rank with
 ``--comm.mode fake``), runs ``warmup`` steps (compilation, allocator), then profiles ``steps``
-steps of ``Trainer.train_step`` with its own loader, each fetch inside a ``data`` range, and
+steps of ``Trainer.train_step`` with its own loader, each fetch inside a ``data`` range (steps
+counted and slice checks stopped after the first, as ``Trainer.train`` does; the profiled steps
+are not log steps under ``--metrics.log_freq 10``), and
 prints one line ``PROFILE {json}``: ``benchmarks/profile_summary.py``'s summary. ``trace``
 (optional) also writes the Chrome/Perfetto trace. The GPU suite's ``profile_1b_16k`` runs it.
 """
@@ -36,15 +38,23 @@ class _Ranged:
 def main(spec: dict) -> int:
     from benchmarks.profile_summary import profile
     from titan_ulysses.config.manager import load_config
+    from titan_ulysses.distributed.ulysses import stop_slice_checks
     from titan_ulysses.trainer import Trainer
 
     config = load_config([*spec["argv"], "--checkpoint.enable", "false"])
     trainer = Trainer(config)
     cuda = trainer.device.type == "cuda"
     data = _Ranged(iter(trainer.dataloader))
-    for _ in range(spec.get("warmup", 2)):
+
+    def step():  # what Trainer.train's loop does around a step that is not logged
         trainer.train_step(data)
-    summary, prof = profile(lambda: trainer.train_step(data), spec.get("steps", 2), cuda)
+        trainer.step += 1
+        if trainer.step == 1:
+            stop_slice_checks(trainer.model)  # the first step's slices passed, as train() stops them
+
+    for _ in range(spec.get("warmup", 2)):
+        step()
+    summary, prof = profile(step, spec.get("steps", 2), cuda)
     if spec.get("trace"):
         prof.export_chrome_trace(spec["trace"])
     if cuda:

@@ -204,7 +204,7 @@ def main(argv=None) -> int:
         p.error("--part is required")
     only = set(filter(None, a.only.split(",")))
 
-    chosen = ["correctness", "bench", "limits"] if a.part == "all" else [a.part]
+    chosen = ["correctness", "bench", "limits", "perf"] if a.part == "all" else [a.part]
     unknown = sorted(only - {c.name for part in chosen for c in parts()[part]})
     if unknown:  # before any GPU time is spent on a typo
         p.error(f"--only: no case {', '.join(unknown)} in --part {a.part}; its cases: "

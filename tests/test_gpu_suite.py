@@ -26,16 +26,16 @@ DRY = {
                     "full_offload_equals_full", "compile_one_step", "float8_rowwise", "trainer_1b_sp1"],
     "bench": ["bench_attention", "bench_packed_128k"],
     "limits": ["estimate_validate_8b_32k", "longest_1b_one_gpu"],
+    # its train.py cells only build their command lines in a dry run (benchmarks/perf_ab.py)
+    "perf": ["perf_1b_16k_default", "perf_prefetch_off", "perf_sync_free_off", "perf_loss_unchunked",
+             "perf_sdpa_order_hd64", "perf_fsdp_one_rank", "perf_liger"],
 }
 # the short parts' own case functions (their other cases are the long parts' functions, run above).
 # second's cell runs train_cell, which headline and peer_1b_16k run here too; rest's
 # limits_6m_staged_two_layers_1m runs _trial (longest_1b_one_gpu above) and _estimate_gib (headline).
-# perf: its train.py cells only build their command lines in a dry run (benchmarks/perf_ab.py)
 DRY_SHORT = {
     "first": ["features_multirank", "moe_grouped_mm_bf16", "families_bf16", "peer_1b_16k", "profile_1b_16k",
               "headline_8b_128k_sim8_compile_bf16_selective"],
-    "perf": ["perf_1b_16k_default", "perf_prefetch_off", "perf_sync_free_off", "perf_loss_unchunked",
-             "perf_sdpa_order_hd64", "perf_fsdp_one_rank", "perf_liger"],
 }
 # CUDA-only kernels and packages the CPU machine lacks: the only skips a dry run may report
 MAY_SKIP = {"attn_sdpa_cudnn": "CUDA kernel", "attn_flash_attn_pkg": "not installed",
@@ -64,7 +64,7 @@ def _dry_run(tmp_path, part: str, dry: dict):
 
 @pytest.mark.slow
 def test_dry_run_runs_every_case_function(tmp_path):
-    _dry_run(tmp_path, "all", DRY)  # one launch for the three long parts (each with its own budget and report)
+    _dry_run(tmp_path, "all", DRY)  # one launch for the long parts and perf (each with its own budget and report)
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ def test_peer_is_our_shape_as_a_transformers_user_sets_it_up_and_trains():
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 weights, bf16 autocast in the loop
     assert model.is_gradient_checkpointing and model.config._attn_implementation == "sdpa"
     assert all(layer._compiled_call_impl is not None for layer in model.model.layers)  # layer.compile()
-    out = run_peer(DEBUG, 32, "none", False, steps=3, warmup=1, device=torch.device("cpu"))
+    out = run_peer(DEBUG, 32, "none", False, steps=2, warmup=1, device=torch.device("cpu"))
     assert not out["oom"] and out["tok_s"] > 0 and abs(out["tok_s"] * out["step_s"] - 32) < 1e-6
     assert out["losses"][-1] < out["losses"][0], out["losses"]  # it trains (the same batch each step)
 

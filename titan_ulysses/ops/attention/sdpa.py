@@ -88,7 +88,7 @@ def _resolve(names, auto: bool, capability, masked: bool, head_dim: int, seq_len
     """:func:`sdpa_priority` from what it read of the machine (plain Python: called in every forward)."""
     if auto and capability is not None:
         names = ("efficient",) if masked else auto_causal(capability, head_dim, seq_len)[0]
-    return (*names, *(n for n in rest if n not in names)) if names else ()
+    return tuple(names) + tuple([n for n in rest if n not in names]) if names else ()
 
 
 def _cuda_needs_kv_expanded(q, k, dense_mask: bool) -> bool:
