@@ -63,7 +63,10 @@ def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple, out: in
 
 TIMEOUT_S = 300
 # imported once by the forkserver (a module that fails to import is skipped, not fatal)
-PRELOAD = ["torch", "torch.distributed", "titan_ulysses.trainer", "dist_utils", "model_harness"]
+PRELOAD = ["torch", "torch.distributed", "titan_ulysses.trainer", "dist_utils", "model_harness",
+           # test_hf_ulysses' ranks build these transformers decoders: 2 s of imports once, not in each of its ranks
+           "titan_ulysses.integrations.transformers", *(f"transformers.models.{m}.modeling_{m}" for m in
+                                                         ("llama", "qwen3", "mistral", "gemma3", "qwen3_moe", "olmo2"))]
 multiprocessing.set_forkserver_preload(PRELOAD)
 
 

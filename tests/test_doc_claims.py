@@ -98,14 +98,14 @@ def script_flags(path: str) -> set[str]:
 
 def unknown_flags(text: str) -> list[str]:
     """A --flag after `scripts/NAME.py` (or train.py) must be that program's; any other must be someone's."""
-    programs = {p: script_flags(p) for p in ["train.py", *(os.path.relpath(s, ROOT) for s in
-                                                          glob.glob(os.path.join(ROOT, "scripts", "*.py")))]}
+    programs = {p: script_flags(p) for p in ["train.py", *(os.path.relpath(s, ROOT) for folder in ("scripts", "examples")
+                                                          for s in glob.glob(os.path.join(ROOT, folder, "*.py")))]}
     everyone = set().union(*programs.values()) | EXTERNAL_FLAGS
     problems = []
     text = re.sub(r"\\\n\s*", " ", text)  # continued command lines
     for line in text.splitlines():
         for program, rest in re.findall(r"((?:scripts/)?[\w]+\.py)\b([^`|]*)", line):
-            own = programs.get(program) or programs.get(f"scripts/{program}")
+            own = programs.get(program) or programs.get(f"scripts/{program}") or programs.get(f"examples/{program}")
             if own is None:
                 continue
             rest = re.split(r"\s(?:torchrun|python3?|&&|\|)\s", rest)[0]

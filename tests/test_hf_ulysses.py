@@ -187,3 +187,25 @@ def test_refusals_name_the_class():
         with pytest.raises(ValueError, match=words) as e:
             apply_ulysses(model, None)
         assert "\n" not in str(e.value)
+
+
+def test_the_example_trains_and_saves(tmp_path):
+    """docs/transformers.md's command: examples/hf_loop.py's 20 steps lower the loss, and transformers reloads
+    the folder it saves to the loss it prints."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (command,) = re.findall(r"```bash\n(.*?)\n```", open(os.path.join(root, "docs", "transformers.md")).read(), re.S)
+    args = command.replace("outputs/", f"{tmp_path}/").split()
+    assert args[0] == "torchrun"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args[1:]], cwd=root, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": root}, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, last, check = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) in 20 steps.*first rows ([\d.]+)",
+                                              out.stdout).groups())
+    assert last < first - 1.0, out.stdout
+    model = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp_path}/hf_loop")
+    assert model.config._attn_implementation == "sdpa" and check < first - 1.0
