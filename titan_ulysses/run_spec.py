@@ -29,7 +29,6 @@ The rule (docs/run_spec.md), in one place:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 
