@@ -1,7 +1,8 @@
-"""Every shipped long-context config's device peak, tracked on CPU (``planning/track.py``: traced at three
-and four layers and a few token quanta, extrapolated exactly), is under the budget its header states:
-``recommend.BUDGET`` of the device it is written for (``--device-memory-gib G``, or ``80 GB``). Issue 39:
-a model change added 2.9 GiB to the 8B at 6M's peak, past its 72 GiB, and nothing noticed."""
+"""Every shipped long-context config's device peak is under the budget its header states: ``recommend.BUDGET``
+of the device it is written for (``--device-memory-gib G``, or ``80 GB``). Its estimate, and where that is
+near the budget its peak tracked on CPU (``planning/track.py``: traced at three and four layers and a few
+token quanta, extrapolated exactly). Issue 39: a model change added 2.9 GiB to the 8B at 6M's tracked peak,
+past its 72 GiB, and nothing noticed (the estimate, arithmetic, cannot see a model change)."""
 
 import dataclasses
 import os
@@ -30,7 +31,14 @@ def _long_context(path: str) -> bool:
     return seq is not None and int(seq.group(1)) >= LONG_CONTEXT
 
 
-LONG_CONFIGS = [p for p in CONFIGS if _long_context(p)]
+def _model_shipped(path: str) -> bool:
+    """Whether the model a config names can be read here (a Hugging Face folder it names must be shipped:
+    ``llama3_8b_128k_from_hf`` names a download, the shape and switches of ``llama3_8b_128k``)."""
+    folder = re.search(r'^hf_assets_path = "([^"]+)"', open(path).read(), re.M)
+    return folder is None or os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(path)), folder.group(1)))
+
+
+LONG_CONFIGS = [p for p in CONFIGS if _long_context(p) and _model_shipped(p)]
 
 
 def test_every_long_context_config_names_its_device():
@@ -38,17 +46,29 @@ def test_every_long_context_config_names_its_device():
         [os.path.basename(p) for p in LONG_CONFIGS if not written_device(p)]
 
 
+TRACKED_FROM = 0.8
+"""Configs whose estimate is above this share of their budget are tracked (a tracker run of the 8B at 6M costs
+30 s of CPU); below it the estimate must leave a fifth of the budget free, more than the tracker has ever
+been above the estimate (3.5%: the 8B at 6M in issue 39) and than the change that issue found (4%)."""
+
+
 @pytest.mark.parametrize("path", LONG_CONFIGS, ids=os.path.basename)
 def test_tracked_peak_is_under_the_header_budget(path):
+    from titan_ulysses.planning.estimate import estimate
     from titan_ulysses.planning.track import track_step
 
     world, gib = written_world_size(path), written_device(path)
     config, spec, dims = prepare(["--config", path], world)
     args, layout, switches = from_config(config, dims, spec.args)
     t = config.training
+    budget = BUDGET * gib * GIB
+    est = estimate(args, layout, switches, t.seq_len, t.local_batch_size).total
+    assert est <= budget, f"{os.path.basename(path)}: estimate {est / GIB:.2f} GiB over {BUDGET:.0%} of {gib:g} GiB"
+    if est <= TRACKED_FROM * budget:
+        return  # the estimate leaves a fifth of the budget free (TRACKED_FROM)
     step = track_step(args, layout, switches, t.seq_len, t.local_batch_size)
-    assert step.peak <= BUDGET * gib * GIB, (f"{os.path.basename(path)}: tracked device peak {step.peak / GIB:.2f} GiB "
-                                             f"over {BUDGET:.0%} of {gib:g} GiB ({step.traced})")
+    assert step.peak <= budget, (f"{os.path.basename(path)}: tracked device peak {step.peak / GIB:.2f} GiB "
+                                 f"over {BUDGET:.0%} of {gib:g} GiB ({step.traced})")
 
 
 def test_an_80_gb_device_refuses_the_selective_headline_layout_and_names_what_fits_there():
