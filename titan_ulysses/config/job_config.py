@@ -158,10 +158,10 @@ class Training:
     steps in a row are skipped (weights, optimizer and schedule unchanged, the batch consumed, as
     torchtitan and Megatron do); the next one stops the run. 0 stops at the first."""
     sync_free_step: bool = True
-    """Decide that skip on the device (fused AdamW's found_inf) and read loss and grad norm only on
-    steps that log or save, else one step late: the host never waits for the GPU. false: read every step."""
+    """That skip is decided on the device (fused AdamW's found_inf); loss and grad norm are read on steps that
+    log, save or validate, else one step late: an ordinary step never waits. false: read before each update."""
     gc_freq: int = 50
-    """Python garbage collection only at step boundaries, every this many steps (torchtitan's name)."""
+    """Python garbage collection only between steps, every this many steps; 0: Python's automatic one."""
     mixed_precision_param: str = "bfloat16"
     """Dtype parameters are gathered in for compute: bfloat16 or float32."""
     mixed_precision_reduce: str = "float32"
