@@ -4,7 +4,7 @@ guard -- loss, gradient norm, the skip and the preemption flag -- is read one st
 device has finished it. With ``sync_free_step`` false the guard is read before every update (the old step).
 
 On CPU nothing waits, so reads stand in for host syncs: a value read out of a tensor (``item``,
-``tolist``, ``bool`` / ``float`` / ``int``, ``numpy``) by our own code. On CUDA each such read
+``tolist``, ``cpu``, ``bool`` / ``float`` / ``int``, ``numpy``) by our own code. On CUDA each such read
 blocks the host until the device has caught up, and the next step's kernels cannot queue. A read of
 an earlier step's guard (``StepGuard.read`` of a smaller step number) is "late": on CUDA it waits on
 a copy the device finished a step ago. Not covered here (passkey rows hold one document): packed rows
@@ -23,7 +23,7 @@ from titan_ulysses.config.manager import load_config
 from titan_ulysses.metrics.profiling import trace_events
 
 PACKAGE = os.path.dirname(os.path.abspath(titan_ulysses.__file__))
-READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
+READS = ("item", "tolist", "cpu", "__bool__", "__float__", "__int__", "numpy")
 
 
 def count_reads(reads: list, current: list):

@@ -12,8 +12,7 @@ import torch
 
 from titan_ulysses.config.manager import ConfigError, check_config, load_config
 from titan_ulysses.config.profiling import Profiling
-from titan_ulysses.metrics.profiling import StepGC, StepProfiler, check_memory_snapshot, idle_share, profile_steps, \
-    trace_events
+from titan_ulysses.metrics.profiling import StepGC, StepProfiler, check_memory_snapshot, trace_events
 
 
 def _toy_step():
@@ -35,15 +34,6 @@ def test_traces_land_at_every_profile_freq_th_step_of_the_run(tmp_path, start):
     events = trace_events(str(folder / want[-1] / "rank1_trace.json"))
     names = {e.get("name", "") for e in events}
     assert "aten::mm" in names and "ProfilerStep#8" in names and "ProfilerStep#7" not in names, sorted(names)[:20]
-
-
-def test_a_profile_of_steady_steps_ranks_the_operators(tmp_path):
-    out = profile_steps(_toy_step, steps=3, warmup=1, trace_path=str(tmp_path / "t.json"))
-    assert out["steps"] == 3 and out["idle_share"] is None and out["syncs_per_step"] == 0
-    names = [row["name"] for row in out["top"]]
-    assert "aten::mm" in names and all(0 <= row["share"] <= 1 for row in out["top"])
-    assert trace_events(str(tmp_path / "t.json"))
-    assert idle_share([(0, 1), (2, 3), (2.5, 4)]) == pytest.approx(1 / 4)
 
 
 class _Cycle:

@@ -4,9 +4,6 @@
   last ``profiler_active`` steps of every ``profile_freq``, and CUDA memory snapshots every
   ``memory_snapshot_freq`` steps. Step numbers are the run's own, so a resumed run's traces are named
   by the steps they hold.
-* :func:`profile_steps` and :func:`summarize`: N steady steps of any step function under the profiler,
-  and the figures a performance case reports (top kernels, device idle share, host-device syncs);
-  the GPU suite's profile case uses them.
 * :class:`StepGC`: Python's garbage collection only at step boundaries (automatic collection off,
   the objects of start-up frozen), so that a collection never lands inside a step's kernels' launch.
 """
@@ -16,13 +13,9 @@ from __future__ import annotations
 import gc
 import json
 import os
-from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
-
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-"""Runtime calls after which the host has waited for the device."""
 
 
 def check_memory_snapshot(enable: bool) -> None:
@@ -80,62 +73,6 @@ class StepProfiler:
         if self.snapshot_folder is not None:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.snapshot_folder = None
-
-
-def profile_steps(run_step: Callable[[], object], steps: int, warmup: int = 1, device_type: str = "cpu",
-                  trace_path: str | None = None) -> dict:
-    """Run ``run_step`` ``warmup`` times unrecorded, then ``steps`` times under the profiler; returns
-    :func:`summarize`'s figures (and writes the Chrome trace to ``trace_path`` when given)."""
-    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        run_step()
-    sync()
-    with profile(activities=activities(device_type)) as prof:
-        for _ in range(steps):
-            run_step()
-        sync()
-    if trace_path:
-        prof.export_chrome_trace(trace_path)
-    return summarize(prof, steps, device_type)
-
-
-def summarize(prof, steps: int, device_type: str = "cpu", top: int = 10) -> dict:
-    """From a finished profile: the ``top`` operators or kernels by self time (the device's on CUDA,
-    the host's on CPU) with their share, the device's idle share of the window between its first and
-    last kernel (CUDA; None on CPU), and the host-device syncs per step (calls of ``SYNC_CALLS``)."""
-    cuda = device_type == "cuda"
-    events = prof.events()
-    if cuda:
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        by_name: dict[str, float] = {}
-        for e in kernels:
-            by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
-        idle = idle_share([(e.time_range.start, e.time_range.end) for e in kernels])
-    else:
-        by_name = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
-        idle = None
-    total = sum(by_name.values()) or 1.0
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-    syncs = sum(1 for e in events if e.name in SYNC_CALLS)
-    return {"top": [{"name": n, "us_per_step": t / steps, "share": t / total} for n, t in ranked],
-            "idle_share": idle, "syncs_per_step": syncs / steps, "steps": steps}
-
-
-def idle_share(intervals: list[tuple[float, float]]) -> float | None:
-    """Share of [first start, last end] that no interval covers (the device waiting for the host)."""
-    if not intervals:
-        return None
-    intervals = sorted(intervals)
-    busy, (cur_start, cur_end) = 0.0, intervals[0]
-    for start, end in intervals[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    span = max(e for _, e in intervals) - intervals[0][0]
-    return 0.0 if span <= 0 else 1.0 - busy / span
 
 
 def trace_events(path: str) -> list[dict]:
