@@ -76,6 +76,26 @@ def run_once(corpus: str, nproc: int, sp: int, seq_len: int, dump: str) -> tuple
     return first_step, peak, "torchrun " + " ".join(cmd[3:])
 
 
+def stream_waits(ds, batch: int, ahead: int, steps: int = 5) -> list[float]:
+    import torch
+
+    from titan_ulysses.data.loader import build_dataloader
+    from titan_ulysses.data.microbatches import StepBatches
+    from titan_ulysses.data.prefetch import StepStream
+
+    loader = build_dataloader(ds, global_batch_size=batch, local_batch_size=1, dp_rank=0, dp_size=1)
+    stream = StepStream(loader, StepBatches(batch, 0, 1, 0, 1, torch.device("cpu"), False, 0), ahead)
+    it, waits = iter(stream), []
+    next(it)
+    for _ in range(steps):
+        time.sleep(0.3)  # a step's compute
+        start = time.perf_counter()
+        next(it)
+        waits.append(time.perf_counter() - start)
+    stream.close()
+    return waits
+
+
 def prefetch_ab(seq_len: int, steps: int, batch: int, dump: str) -> int:
     """data_wait per step at training.prefetch_batches 0 and 2, same run otherwise."""
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "train.py",
@@ -95,6 +115,10 @@ def prefetch_ab(seq_len: int, steps: int, batch: int, dump: str) -> int:
         ds[i]
     print(f"host: one passkey sample of {seq_len} tokens built in {1e3 * (time.perf_counter() - start) / 20:.2f} ms "
           f"(mean of 20, byte tokenizer)", flush=True)
+    for ahead in (0, 2):  # the data path alone: next() of the step stream, the thread given 0.3 s to catch up
+        waits = stream_waits(ds, batch, ahead)
+        print(f"host: next() of the step stream at prefetch_batches {ahead}: {1e3 * sum(waits) / len(waits):.2f} ms "
+              f"(mean of {len(waits)} steps of {batch} samples, no model)", flush=True)
     for ahead in (0, 2):
         folder = os.path.join(dump, f"prefetch{ahead}")
         shutil.rmtree(folder, ignore_errors=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 
-_POLL_S = 0.05  # how often a blocked thread looks at its stop flag
+_POLL_S = 0.05  # how often the training thread, waiting for a step, looks whether the thread died
 
 
 class StepStream:
@@ -90,9 +90,10 @@ class _Ahead:
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
-                if not self._slots.acquire(timeout=_POLL_S):
-                    continue
+            while True:
+                self._slots.acquire()  # blocking, no polling: a woken thread takes the GIL from the step
+                if self._stop.is_set():
+                    return
                 step = self.batches.host(self._it)
                 self._queue.put((step, self.loader.state_dict()))
         except BaseException as e:  # handed to the training thread, raised at its next step
@@ -125,6 +126,7 @@ class _Ahead:
     def close(self) -> None:
         """Stop the thread (it may finish the step it is reading) and drop what it read ahead."""
         self._stop.set()
+        self._slots.release()  # wakes the thread if it waits for a slot
         self._thread.join()
         while not self._queue.empty():
             self._queue.get_nowait()
