@@ -46,10 +46,11 @@ def test_every_long_context_config_names_its_device():
         [os.path.basename(p) for p in LONG_CONFIGS if not written_device(p)]
 
 
-TRACKED_FROM = 0.8
-"""Configs whose estimate is above this share of their budget are tracked (a tracker run of the 8B at 6M costs
-30 s of CPU); below it the estimate must leave a fifth of the budget free, more than the tracker has ever
-been above the estimate (3.5%: the 8B at 6M in issue 39) and than the change that issue found (4%)."""
+TRACKED_FROM = 0.95
+"""Configs whose estimate is above this share of their budget are tracked (a tracker run costs 30-40 s of CPU
+for the 8B at 6M and the 1B at 2M, minutes for the 8B at 1.2M in groups of 16 layers); below it the estimate
+leaves 5% of the budget free, more than the tracker has been above the estimate (3.5%: the 8B at 6M in issue
+39) and than the change that issue found (4%)."""
 
 
 @pytest.mark.parametrize("path", LONG_CONFIGS, ids=os.path.basename)
@@ -65,7 +66,7 @@ def test_tracked_peak_is_under_the_header_budget(path):
     est = estimate(args, layout, switches, t.seq_len, t.local_batch_size).total
     assert est <= budget, f"{os.path.basename(path)}: estimate {est / GIB:.2f} GiB over {BUDGET:.0%} of {gib:g} GiB"
     if est <= TRACKED_FROM * budget:
-        return  # the estimate leaves a fifth of the budget free (TRACKED_FROM)
+        return  # the estimate leaves 5% of the budget free (TRACKED_FROM)
     step = track_step(args, layout, switches, t.seq_len, t.local_batch_size)
     assert step.peak <= budget, (f"{os.path.basename(path)}: tracked device peak {step.peak / GIB:.2f} GiB "
                                  f"over {BUDGET:.0%} of {gib:g} GiB ({step.traced})")
