@@ -94,13 +94,14 @@ class FeedForwardMemory:
     gradient ``[T, D]``, its rows gathered ``[T k, D]``, the rows' gradient and their product with the rows
     (the weighted rows the scatter-add kept are freed by then)."""
     dispatch: float
-    """Beyond the layer's saved tensors while its forward (or recompute) brings the experts' rows back: the
-    residual stream ``[T, D]`` and, with expert parallelism, the rows sent and received (held by the calls
+    """Beyond the layer's saved tensors while its forward (or recompute) brings the experts' rows back: with
+    expert parallelism, the rows sent and received (held by the calls
     that made them until they return), a zeroed ``[T k, D]`` and the received rows put back in their senders'
     order (the returned and the weighted rows, which the layer keeps, do not exist yet); or, if larger, the
     feed-forward's output and the block's new residual. gpt-oss's experts add their output bias before they
     return, holding their unbiased output, its bias rows and the clamped ``up`` ``[rows, F]`` beside it (the
-    sorted-back copies come after). Without AC the top layer's is the step's forward peak."""
+    sorted-back copies come after). Without AC the top layer's is the step's forward peak. The block holds no
+    attention output beside them (``models/decoder/block.py``; it did until issue 39, a ``[T, D]`` more)."""
 
 
 def feed_forward_memory(args: DecoderArgs, layout: Layout, s: Switches) -> FeedForwardMemory | None:
@@ -113,4 +114,4 @@ def feed_forward_memory(args: DecoderArgs, layout: Layout, s: Switches) -> FeedF
     if dispatch and m.expert_bias and m.activation == "clamped_swiglu":
         dispatch += a * k * m.hidden_dim
     return FeedForwardMemory(saved=a * d + feed_forward_bytes(args, layout, s, "none"), combine=a * d + 2 * a * k * d,
-                             dispatch=a * d + max(dispatch, 2 * a * d))
+                             dispatch=max(dispatch, 2 * a * d))

@@ -28,11 +28,17 @@ PANELS = [
 ]
 
 
-def read_run(folder: str) -> tuple[dict[int, dict], dict[int, float]]:
-    """``(step -> training record, step -> validation loss)`` of ``folder/metrics.jsonl``, later lines winning."""
+def metrics_path(folder: str) -> str:
+    """``folder/metrics.jsonl``, or one line naming it when it does not exist."""
     path = os.path.join(folder, "metrics.jsonl")
     if not os.path.isfile(path):
         raise SystemExit(f"plot_metrics: {path} does not exist (give the run's job.dump_folder)")
+    return path
+
+
+def read_run(folder: str) -> tuple[dict[int, dict], dict[int, float]]:
+    """``(step -> training record, step -> validation loss)`` of ``folder/metrics.jsonl``, later lines winning."""
+    path = metrics_path(folder)
     train, validation = {}, {}
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -119,6 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="", help="the PNG to write (default: metrics.png in the first run's folder)")
     a = p.parse_args(argv)
     out = a.out or os.path.join(a.runs[0], "metrics.png")
+    for run in a.runs:  # the input first: a folder without metrics is named as such, not as a missing --out folder
+        metrics_path(run)
     problem = output_problem("--out", out, overwrite=True, folder=False)  # a plot is redrawn in place
     if problem:
         raise SystemExit(f"plot_metrics: {problem}")
