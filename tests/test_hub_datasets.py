@@ -175,3 +175,20 @@ def _single_rank_env(**extra) -> dict:
         port = s.getsockname()[1]
     return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
             "PYTHONPATH": ROOT, **extra}
+
+
+def test_config_names_the_configuration_whose_rows_are_read(corpus, tmp_path):
+    """``hf:NAME?config=B`` hands config ``B`` to ``datasets`` (a dataset folder with two configurations, as a
+    Hub repository declares them in its README): its rows, not the default configuration's."""
+    folder = tmp_path / "two_configs"
+    for name, rows in (("a", TEXTS[:4]), ("b", TEXTS[4:])):
+        os.makedirs(folder / name)
+        _jsonl(folder / name / "part.jsonl", [{"text": t} for t in rows])
+    (folder / "README.md").write_text("---\nconfigs:\n- config_name: A\n  data_files: a/*.jsonl\n  default: true\n"
+                                      "- config_name: B\n  data_files: b/*.jsonl\n---\n")
+    b_jsonl = _jsonl(tmp_path / "b.jsonl", [{"text": t} for t in TEXTS[4:]])
+    config = _config(tmp_path, "text", b_jsonl)
+    tok = resolve_tokenizer(config.model)
+    _same_store(open_store("text", f"hf:{folder}?config=B", tok, config), open_store("text", b_jsonl, tok, config))
+    a = open_store("text", f"hf:{folder}?config=A", tok, config)
+    assert a.n_docs == 4  # the other configuration is other rows
