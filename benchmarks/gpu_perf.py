@@ -306,7 +306,7 @@ BENCH_CASES = [
     *[Case(f"8b_128k_sim8_{'compile' if c else 'eager'}_{p}_{ac}",
            train_cell(os.path.join(CONFIGS, "llama3_8b_128k.toml"), c, p, ac, SIM8, 128 * K), 110, 10)
       for c, p, ac in ((True, "bf16", "selective"), (True, "float8", "selective"), (True, "bf16", "full"),
-                       (True, "bf16", "full_offload"))],
+                       (True, "float8", "full"), (True, "bf16", "full_offload"))],
     # the same step with PyTorch's SDPA order (FlashAttention first) instead of "auto" (cuDNN first on Hopper)
     Case("8b_128k_sim8_compile_bf16_selective_sdpa_flash",
          train_cell(os.path.join(CONFIGS, "llama3_8b_128k.toml"), True, "bf16", "selective",
