@@ -69,7 +69,7 @@ def reference(model, batch: dict):
     """One process, the whole batch: logits [B, S, V], transformers' mean loss, and gradients in ``model``."""
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     shift = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
-    loss = F.cross_entropy(logits.flatten(0, 1), shift.flatten(), ignore_index=-100)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), shift.flatten(), ignore_index=-100)  # fp32 for bf16 models too
     loss.backward()
     return logits.detach(), loss.detach()
 
