@@ -63,6 +63,20 @@ def exact_fp32() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
+def tagged_json(argv: list[str], tag: str, timeout: float) -> tuple[dict | None, str]:
+    """Run ``argv`` in the repository and read the JSON its stdout prints after ``TAG `` (the way a case's
+    subprocess reports): ``(that dict, "")``, or ``(None, why)`` with the output's tail when it timed out or
+    printed no such line."""
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, "timed out"
+    for line in proc.stdout.splitlines():
+        if line.startswith(tag + " "):
+            return json.loads(line[len(tag) + 1:]), ""
+    return None, f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}"
+
+
 def train(ctx, overrides: list[str], dump: str, config: str = DEBUG, nproc: int = 1, timeout: float = 300):
     """Run train.py (as ``scripts/_runs.py`` does for the bench scripts); returns (exit code, metrics
     rows, output tail)."""

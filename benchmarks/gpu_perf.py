@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from benchmarks.gpu_common import CONFIGS, ROOT, Case, Skip, train
+from benchmarks.gpu_common import CONFIGS, ROOT, Case, Skip, tagged_json, train
 # Synthetic passkey rows are not packed, so sdpa (cuDNN / flash kernels) needs no document
 # mask; the GPU configs default to flex for packed text. The 2026-11-23 figures used sdpa.
 SYNTHETIC = ["--training.dataset", "passkey", "--model.tokenizer", "byte", "--metrics.enable_tensorboard", "false",
@@ -233,14 +233,8 @@ def trial_main(spec: dict) -> int:
 def _trial(ctx, config: str, overrides: list[str], n_layers: int, seq_len: int, warm_len: int) -> dict:
     spec = {"config": config, "overrides": overrides, "n_layers": n_layers, "seq_len": seq_len, "warm_len": warm_len}
     argv = [sys.executable, os.path.join(ROOT, "scripts", "gpu_suite.py"), "--trial", json.dumps(spec)]
-    try:
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=ctx.timeout(400))
-    except subprocess.TimeoutExpired:
-        return {"error": "timed out"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("TRIAL "):
-            return json.loads(line[6:])
-    return {"error": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-300:]}"}
+    out, why = tagged_json(argv, "TRIAL", ctx.timeout(400))
+    return out if out is not None else {"error": why[-300:]}
 
 
 def longest(config_name: str, extra: list[str], lengths: tuple[int, int], target: int, what: str):

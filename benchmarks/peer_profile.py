@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
-from benchmarks.gpu_common import CONFIGS, ROOT
+from benchmarks.gpu_common import CONFIGS, tagged_json
 from benchmarks.gpu_perf import SYNTHETIC, train_cell
 
 K = 1024
@@ -37,15 +36,10 @@ def _peer(ctx, ac: str) -> dict:
         return run_peer(["--config", os.path.join(CONFIGS, "debug_model.toml")], 128, ac, False, 3, 1, ctx.device)
     argv = [sys.executable, "-m", "benchmarks.peer_transformers", "--config", CONFIG_1B, "--seq-len", str(SEQ),
             "--ac", ac, "--compile", "on", "--steps", "6", "--warmup", "2", "--extra", "--model.tokenizer byte"]
-    try:
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=ctx.timeout(150))
-    except subprocess.TimeoutExpired:
-        return {"error": "timed out"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("PEER "):
-            return json.loads(line[5:])
-    tail = (proc.stdout + proc.stderr)[-400:]
-    return {"oom": True} if "out of memory" in tail.lower() else {"error": f"exit {proc.returncode}: {tail}"}
+    out, why = tagged_json(argv, "PEER", ctx.timeout(150))
+    if out is not None:
+        return out
+    return {"oom": True} if "out of memory" in why[-400:].lower() else {"error": why[-400:]}
 
 
 def _ours(ctx, ac: str) -> dict:
@@ -105,20 +99,15 @@ def profile_1b_16k(ctx):
         trace = os.path.join(ctx.out, "profile_1b_16k_trace.json.gz") if ctx.cuda else ""
         spec = {"argv": [*argv, "--job.dump_folder", d], "warmup": 1 if ctx.dry_run else 3, "steps": 2,
                 "trace": trace}
-        try:
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.profile_cell", json.dumps(spec)], cwd=ROOT,
-                                  capture_output=True, text=True, timeout=ctx.timeout(200))
-        except subprocess.TimeoutExpired:
-            return {"status": "fail", "detail": "timed out"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("PROFILE "):
-            summary = json.loads(line[8:])
-            figures = {k: summary.get(k) for k in ("idle_between_kernels_pct", "idle_of_wall_pct", "wall_ms",
-                                                   "host_syncs", "scalar_reads", "sync_debug_warnings", "peak_gib")}
-            figures.update({f"{p}_pct": round(v, 1) for p, v in summary["parts_pct"].items()})
-            return {"status": "measured", "figures": figures, "profile": summary,
-                    "detail": f"two steady steps of ours (AC {'none' if ctx.cuda else 'full'}); parts by kernel name "
-                              f"and profiler range; top kernel: {summary['top'][0]['name'][:80]} "
-                              f"({summary['top'][0]['pct']:.0f}%); target: GPU idle < 5%"}
-    print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr, flush=True)
-    return {"status": "fail", "detail": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-300:]}"}
+        summary, why = tagged_json([sys.executable, "-m", "benchmarks.profile_cell", json.dumps(spec)], "PROFILE",
+                                   ctx.timeout(200))
+    if summary is None:
+        print(why, file=sys.stderr, flush=True)
+        return {"status": "fail", "detail": why[-300:]}
+    figures = {k: summary.get(k) for k in ("idle_between_kernels_pct", "idle_of_wall_pct", "wall_ms",
+                                           "host_syncs", "scalar_reads", "sync_debug_warnings", "peak_gib")}
+    figures.update({f"{p}_pct": round(v, 1) for p, v in summary["parts_pct"].items()})
+    return {"status": "measured", "figures": figures, "profile": summary,
+            "detail": f"two steady steps of ours (AC {'none' if ctx.cuda else 'full'}); parts by kernel name "
+                      f"and profiler range; top kernel: {summary['top'][0]['name'][:80]} "
+                      f"({summary['top'][0]['pct']:.0f}%); target: GPU idle < 5%"}
