@@ -189,5 +189,7 @@ def _compute(switches: Switches):
     from titan_ulysses.models.compute import ComputeOptions
 
     # sdpa: the one backend that trains on CPU (flash_attn is CUDA-only, flex has no CPU backward)
+    # liger / cce are CUDA kernels with no fake-tensor path: counted as fused (their transients are smaller)
+    backend = switches.loss_backend if switches.loss_backend in ("fused", "chunked", "materialized") else "fused"
     return ComputeOptions(loss_chunk_size=switches.loss_chunk_size, mlp_tile_size=switches.mlp_tile_size,
-                          attn_backend="sdpa")
+                          attn_backend="sdpa", loss_backend=backend)
