@@ -105,8 +105,8 @@ def test_no_fp32_gemm_of_vocab_size_with_bf16_inputs_on_the_cuda_path():
         mode.phase = "backward"
         loss.backward()
     vocab = [(ops, phase) for ops, phase in mode.calls if any(v in shape for shape, _ in ops)]
-    assert len(vocab) == 3 * 3, vocab  # logits, dH, dW per chunk
     assert not [c for c in vocab if any(dt != torch.bfloat16 for _, dt in c[0])], vocab
+    assert len(vocab) == 3 * 3, vocab  # logits, dH, dW per chunk
     assert weight.grad.dtype == torch.bfloat16 and weight.grad.shape == (v, d)
 
 

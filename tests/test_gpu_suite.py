@@ -28,14 +28,15 @@ DRY = {
     "bench": ["bench_attention", "bench_packed_128k"],
     "limits": ["estimate_validate_8b_32k", "longest_1b_one_gpu"],
     # its train.py cells only build their command lines in a dry run (benchmarks/perf_ab.py)
-    "perf": ["perf_1b_16k_default", "perf_prefetch_off", "perf_sync_free_off", "perf_loss_unchunked",
+    "perf": ["perf_1b_16k_default", "perf_prefetch_off", "perf_sync_free_off", "perf_loss_materialized",
+             "perf_loss_chunked",
              "perf_sdpa_order_hd64", "perf_fsdp_one_rank", "perf_liger"],
 }
 # the short parts' own case functions (their other cases are the long parts' functions, run above).
 # second's cell runs train_cell, which headline and peer_1b_16k run here too; rest's
 # limits_6m_staged_two_layers_1m runs _trial (longest_1b_one_gpu above) and _estimate_gib (headline).
 DRY_SHORT = {
-    "first": ["features_multirank", "moe_grouped_mm_bf16", "families_bf16", "peer_1b_16k", "profile_1b_16k",
+    "first": ["features_multirank", "moe_grouped_mm_bf16", "families_bf16", "peer_1b_16k", "profile_1b_16k", "perf_loss",
               "headline_8b_128k_sim8_compile_bf16_selective"],
 }
 # CUDA-only kernels and packages the CPU machine lacks: the only skips a dry run may report
@@ -163,4 +164,5 @@ def test_perf_cells_differ_from_the_default_by_one_setting_each():
     assert all(cell_command(name)[:len(base)] == base for name in AB)
     assert added == {"perf_prefetch_off": ["--training.prefetch_batches", "0"],
                      "perf_sync_free_off": ["--training.sync_free_step", "false"],
-                     "perf_loss_unchunked": ["--model.loss_chunk_size", "0"]}
+                     "perf_loss_materialized": ["--model.loss_backend", "materialized"],
+                     "perf_loss_chunked": ["--model.loss_backend", "chunked", "--model.loss_chunk_size", "8192"]}

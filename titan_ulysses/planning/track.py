@@ -40,6 +40,12 @@ def track_step(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: i
 
     from titan_ulysses.planning import extrapolate as ex
 
+    if not switches.loss_chunk_size and switches.loss_backend != "materialized":
+        # the loss chunk the target length gets (ops/loss: chosen from the token count), at every traced length
+        from titan_ulysses.ops.loss import auto_chunk_size
+
+        tokens = local_batch * ex.local_tokens(seq_len, layout)
+        switches = dataclasses.replace(switches, loss_chunk_size=auto_chunk_size(tokens, args.vocab_size, args.dim))
     group = switches.ac_layers_per_checkpoint
     depths = ex.tracked_layer_counts(args.n_layers, extrapolate, group)
     lengths, why = ex.sample_lengths(seq_len, layout, switches) if extrapolate else ((seq_len,), "")

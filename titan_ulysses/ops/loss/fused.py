@@ -26,7 +26,14 @@ import torch
 from titan_ulysses.ops.loss.common import chunk_rows, upcast_dtype
 
 OUT_DTYPE_MM_DEVICES = ("cuda", "meta")
-"""Devices whose ``mm`` / ``addmm`` take ``out_dtype`` (bf16 operands, fp32 output) in torch 2.13."""
+"""Devices whose ``mm`` / ``addmm`` take ``out_dtype`` (bf16 operands, fp32 output) in torch 2.13; fake
+tensors (the planner's tracker) run the meta kernel on any device, so they take the CUDA path too."""
+
+
+def _out_dtype_mm(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type in OUT_DTYPE_MM_DEVICES or is_fake(t)
 
 
 def loss_rows(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, softcap: float | None) -> torch.Tensor:
@@ -85,7 +92,7 @@ def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits_t: torch.Tenso
     on CPU, where bf16 operands have no fp32-output matmul, an upcasting reference."""
     if grad_logits_t.dtype == grad_weight.dtype:
         grad_weight.addmm_(grad_logits_t, h)
-    elif grad_weight.device.type in OUT_DTYPE_MM_DEVICES:
+    elif _out_dtype_mm(grad_weight):
         torch.addmm(grad_weight, grad_logits_t, h, out_dtype=grad_weight.dtype, out=grad_weight)
     else:  # the CPU reference: fp32 operands
         grad_weight.addmm_(grad_logits_t.to(grad_weight.dtype), h.to(grad_weight.dtype))
