@@ -93,11 +93,12 @@ def peer_1b_16k(ctx):
         figures["full_vs_full"] = ours_full["tok_s"] / better_full
     if ctx.dry_run and not peer_full["losses"][-1] < peer_full["losses"][0]:
         return {"status": "fail", "figures": figures, "detail": f"the peer did not train: losses {peer_full['losses']}"}
+    why_no_liger = f" ({liger_full['unavailable']})" if liger_full.get("unavailable") else ""
     return {"status": "measured", "figures": figures,
             "detail": f"1B shape at {128 if ctx.dry_run else SEQ} tokens, one GPU, compiled bf16; ours: train.py "
                       f"(passkey, byte tokenizer, sdpa), the peer: transformers LlamaForCausalLM, fp32 weights under "
                       f"bf16 autocast, SDPA, per-layer compile, fused AdamW; liger: the same after "
-                      f"apply_liger_kernel_to_llama{' (' + liger_full['unavailable'] + ')' if liger_full.get('unavailable') else ''}; "
+                      f"apply_liger_kernel_to_llama{why_no_liger}; "
                       f"medians after warm-up; ratios against the better peer; targets: "
                       f"best_vs_best >= 1.2, full_vs_full >= 1.0"}
 

@@ -79,7 +79,8 @@ def perf_loss(ctx):
             figures[f"{name}_{tag}_ms"] = round(r["ms"], 2)
             figures[f"{name}_{tag}_peak_gib"] = round(r["peak_gib"], 2)
             if "fused" in rows and name != "fused":
-                figures[f"{name}_{tag}_loss_rel_diff"] = abs(r["loss"] - rows["fused"]["loss"]) / abs(rows["fused"]["loss"])
+                fused = rows["fused"]["loss"]
+                figures[f"{name}_{tag}_loss_rel_diff"] = abs(r["loss"] - fused) / abs(fused)
     shapes = ", ".join(f"{tag}: {n} tokens x vocab {v} x dim {d}" for tag, (n, v, d) in
                        (TOY if ctx.dry_run else SHAPES).items())
     return {"status": "measured", "figures": figures,

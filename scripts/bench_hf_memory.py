@@ -63,7 +63,7 @@ def ours(folder: str, seq: int, ac: bool, chunked: bool = False) -> int:
     pd = ParallelDims(sp=dist.get_world_size(), world_size=dist.get_world_size())
     pd.build_mesh("cpu")
     with torch.device("meta"):
-        model = build_model(load_hf_args(folder), ComputeOptions(loss_chunk_size=256 if chunked else 0,
+        model = build_model(load_hf_args(folder), ComputeOptions(loss_backend="fused" if chunked else "materialized",
                                                                  mlp_tile_size=256 if chunked else 0))
     parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32, ac_mode="full" if ac else "none"))
     model.to_empty(device="cpu")

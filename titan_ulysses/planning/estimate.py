@@ -83,7 +83,8 @@ def _loss_transients(args: DecoderArgs, s: Switches, tokens: float) -> tuple[flo
     (none when frozen: LoRA), kept from forward to backward, beside one chunk's logits, their fp32 copy
     (the eager sequence: on CUDA compiled, an upper bound), its cast back (and the softcap's derivative);
     backward, the weight gradient's cast to the compute dtype (the [T, D] gradient takes the place of the
-    final norm's output, which ``saved`` counts and nothing keeps past the fused forward). Chunked: forward, the fp32 logits and
+    final norm's output, which ``saved`` counts and nothing keeps past the fused forward).
+    Chunked: forward, the fp32 logits and
     their log-softmax; backward, the fp32 logits and their softmax (then the softmax, its compute-dtype
     cast and the hidden states' gradient of the chunk), beside the fp32 [V, D] and [T, D] gradients.
     Materialized: forward, the logits, their fp32 upcast (a copy in bf16) and log-softmax; backward, the
