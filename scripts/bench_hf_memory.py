@@ -9,9 +9,9 @@ is the bytes of every tensor autograd saves for the backward (unique storages, t
 peak. It is measured at two sequence lengths and the difference divided by the difference in
 this rank's tokens, so parameters and other fixed costs drop out: bytes per local token.
 Rows: no activation checkpointing, full checkpointing per block (ours: ``ac_mode full``;
-transformers: ``gradient_checkpointing_enable``), and ours with ``loss_chunk_size`` and
+transformers: ``gradient_checkpointing_enable``), and ours with the fused loss (``loss_backend``) and
 ``mlp_tile_size`` 256 as the long-context configs set them. The logits' share grows with the vocabulary;
-train.py's chunked loss never holds ``[S/sp, vocab]`` logits at once.
+train.py's fused loss never holds ``[S/sp, vocab]`` logits at once.
 """
 
 from __future__ import annotations
