@@ -161,3 +161,39 @@ def test_gemma2_softcap_trains_in_less_memory_than_its_logits():
     step = track_step(args, Layout(), Switches(ac_mode="full", act_bytes=2), seq, extrapolate=False)
     loss = max(step.phases["loss forward"].peak, step.phases["loss backward"].peak)
     assert loss < logits, (loss / 2**30, logits / 2**30)
+
+
+def test_the_fp32_pass_compiles_whole_and_equals_eager():
+    """The function CUDA compiles (``fused._pass``) traces as one graph (no break) and computes what it does
+    eagerly; ``aot_eager`` checks the trace on CPU without a C++ build."""
+    from titan_ulysses.ops.loss.fused import loss_and_grad
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(12, V, generator=g, dtype=torch.bfloat16)
+    labels = torch.randint(0, V, (12,), generator=g)
+    labels[:5] = IGNORE_INDEX
+    compiled = torch.compile(loss_and_grad, fullgraph=True, backend="aot_eager")
+    for softcap in (None, 3.0):
+        want, got = loss_and_grad(logits, labels, IGNORE_INDEX, softcap, torch.bfloat16), \
+            compiled(logits, labels, IGNORE_INDEX, softcap, torch.bfloat16)
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+
+
+def test_a_backend_that_cannot_run_is_refused_in_one_line(monkeypatch):
+    """Before any process group (``preflight.validate``): no CUDA, the package missing, no softcap."""
+    from titan_ulysses.config.manager import ConfigError, load_config
+    from titan_ulysses.ops.loss.registry import loss_backend_problem
+    from titan_ulysses.preflight import validate
+
+    if not torch.cuda.is_available():
+        config = load_config(["--config", "train_configs/debug_model.toml", "--model.loss_backend", "liger"])
+        with pytest.raises(ConfigError, match=r"^model.loss_backend 'liger' needs a CUDA GPU and none is visible; "
+                                              r"use one of \['fused', 'chunked', 'materialized'\]$"):
+            validate(config, 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "cut_cross_entropy" else object())
+    assert loss_backend_problem("cce") == ("model.loss_backend 'cce' needs the cut_cross_entropy package: "
+                                           "pip install 'titan-ulysses[cce]' (or model.loss_backend fused)")
+    assert loss_backend_problem("chunked", 30.0).startswith("model.loss_backend 'chunked' has no final logit softcap")
+    assert loss_backend_problem("fused", 30.0) == "" and loss_backend_problem("materialized") == ""
