@@ -76,13 +76,14 @@ def test_short_parts_dry_run(tmp_path, part):
 
 
 def test_short_parts_fit_their_gpu_windows():
-    """first: 450 s on an H100 (wheel install and start-up included); second: 180 s on a started machine;
-    perf: 300 s.
+    """first: 540 s on an H100 (wheel install and start-up included; 450 s until issue 47 added perf_loss, 40 s,
+    and peer_1b_16k's Liger column, two more peer runs: 532 s planned, with a machine's start about 12 minutes
+    of a 15-minute window); second: 180 s on a started machine; perf: 300 s.
     Planned from each case's estimate; every case is a name the part's report will show."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import gpu_suite
 
-    limits = {"first": 450, "second": 180, "perf": 300}
+    limits = {"first": 540, "second": 180, "perf": 300}
     for part, limit in limits.items():
         cases = gpu_suite.parts()[part]
         assert 0 < gpu_suite.planned_s(part, cases) <= limit, (part, gpu_suite.planned_s(part, cases))
