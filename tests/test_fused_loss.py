@@ -144,7 +144,8 @@ def _gemma2(vocab: int):
 
     cfg = {"model_type": "gemma2", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": vocab,
-           "final_logit_softcapping": 30.0, "sliding_window": 512, "max_position_embeddings": 65536}
+           "final_logit_softcapping": 30.0, "sliding_window": 512, "max_position_embeddings": 65536,
+           "attn_logit_softcapping": None}  # (the attention's softcap: explicit scores, many ops; not this test's)
     return args_from_hf_config(cfg)
 
 
