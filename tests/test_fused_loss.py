@@ -198,3 +198,14 @@ def test_a_backend_that_cannot_run_is_refused_in_one_line(monkeypatch):
                                            "pip install 'titan-ulysses[cce]' (or model.loss_backend fused)")
     assert loss_backend_problem("chunked", 30.0).startswith("model.loss_backend 'chunked' has no final logit softcap")
     assert loss_backend_problem("fused", 30.0) == "" and loss_backend_problem("materialized") == ""
+
+
+def test_a_frozen_output_weight_gets_no_weight_gradient_work():
+    """LoRA's frozen output weight: per chunk the logits and dH only, no ``[V, D]`` gradient made."""
+    x, w, _, labels = _inputs()
+    x = x.requires_grad_()
+    with _Matmuls() as mode:
+        linear_cross_entropy_sum(x, w, labels, chunk_size=CHUNK).backward()
+    # logits [r, D] x [D, V] and dH [r, V] x [V, D] per chunk; dW's [V, r] x [r, D] never
+    assert len(mode.calls) == 2 * 5, mode.calls
+    assert not [ops for ops, _ in mode.calls if ops[0][0][0] == V], mode.calls
