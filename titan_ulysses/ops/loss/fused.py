@@ -21,6 +21,8 @@ output weight (LoRA) gets no ``dW`` work.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from titan_ulysses.ops.loss.common import chunk_rows, upcast_dtype
@@ -72,17 +74,17 @@ def loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
     return rows, z.to(grad_dtype)
 
 
-_COMPILED: dict[str, object] = {}
+@functools.cache
+def _compiled(grads: bool):
+    """The compiled pass, made once per process on first CUDA use (compilation itself waits for the first call)."""
+    return torch.compile(loss_and_grad if grads else loss_rows, fullgraph=True)
 
 
 def _pass(device: torch.device, grads: bool):
     """The fp32 pass for ``device``: compiled on CUDA, eager elsewhere (CPU, meta, fake tensors)."""
-    fn = loss_and_grad if grads else loss_rows
-    if device.type != "cuda":
-        return fn
-    if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, fullgraph=True)
-    return _COMPILED[fn.__name__]
+    if device.type == "cuda":
+        return _compiled(grads)
+    return loss_and_grad if grads else loss_rows
 
 
 def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits_t: torch.Tensor, h: torch.Tensor) -> None:
