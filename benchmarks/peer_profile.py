@@ -3,8 +3,11 @@
 * ``peer_1b_16k``: our compiled bf16 step of the 1B shape at 16K tokens on one GPU (passkey rows,
   byte tokenizer, sdpa, no sequence parallelism: ``train_cell``) against the transformers loop a
   user would write (``benchmarks/peer_transformers.py``), same shape, same call. Each side's
-  best AC that fits (none first, then ours' selective, then full) and full against full;
-  reports both ratios (issue 40's targets: 1.2x best against best, 1.0x full against full).
+  best AC that fits (none first, then ours' selective, then full) and full against full; a third
+  column, the same loop with Liger-Kernel's Llama patch (``--liger``: fused linear cross-entropy,
+  RMSNorm, SwiGLU, RoPE). Both ratios are taken against the better peer of the two (issue 40's and
+  47's targets: 1.2x best against best, 1.0x full against full); a Liger column that cannot run
+  (no CUDA, not installed) says so and the ratios are against transformers alone.
 * ``profile_1b_16k``: the same cell of ours under ``torch.profiler`` for two steady steps
   (``benchmarks/profile_cell.py`` in its own process): top kernels, GPU idle share, host syncs
   and time by part of the step (``benchmarks/profile_summary.py``).
@@ -28,14 +31,18 @@ OURS_1B = [*SYNTHETIC, "--parallelism.ulysses_degree", "1"]  # the cell's own se
 SEQ = 16 * K
 
 
-def _peer(ctx, ac: str) -> dict:
+def _peer(ctx, ac: str, liger: bool = False) -> dict:
     """One peer run: in this process on a dry run, else in its own (memory and compile caches stay there)."""
-    if ctx.dry_run:
-        from benchmarks.peer_transformers import run_peer
+    from benchmarks.peer_transformers import liger_problem, run_peer
 
-        return run_peer(["--config", os.path.join(CONFIGS, "debug_model.toml")], 128, ac, False, 3, 1, ctx.device)
+    if liger and liger_problem(ctx.device):
+        return {"unavailable": liger_problem(ctx.device)}
+    if ctx.dry_run:
+        return run_peer(["--config", os.path.join(CONFIGS, "debug_model.toml")], 128, ac, False, 3, 1, ctx.device,
+                        liger=liger)
     argv = [sys.executable, "-m", "benchmarks.peer_transformers", "--config", CONFIG_1B, "--seq-len", str(SEQ),
-            "--ac", ac, "--compile", "on", "--steps", "6", "--warmup", "2", "--extra", "--model.tokenizer byte"]
+            "--ac", ac, "--compile", "on", "--steps", "6", "--warmup", "2", "--extra", "--model.tokenizer byte",
+            *(["--liger"] if liger else [])]
     out, why = tagged_json(argv, "PEER", ctx.timeout(150))
     if out is not None:
         return out
@@ -64,25 +71,35 @@ def _best(run, modes) -> tuple[str | None, dict]:
 def peer_1b_16k(ctx):
     ours_modes, peer_modes = (["full"], ["full"]) if ctx.dry_run else (["none", "selective", "full"], ["none", "full"])
     ours_full, peer_full = _ours(ctx, "full"), _peer(ctx, "full")
-    for side, r in (("ours", ours_full), ("peer", peer_full)):
+    liger_full = _peer(ctx, "full", liger=True)
+    for side, r in (("ours", ours_full), ("peer", peer_full), ("liger", liger_full)):
         if r.get("error"):
             return {"status": "fail", "detail": f"{side}, AC full: {r['error']}"}
     ours_ac, ours = _best(lambda ac: ours_full if ac == "full" else _ours(ctx, ac), ours_modes)
     peer_ac, peer = _best(lambda ac: peer_full if ac == "full" else _peer(ctx, ac), peer_modes)
+    liger_ac, liger = (None, {}) if liger_full.get("unavailable") else \
+        _best(lambda ac: liger_full if ac == "full" else _peer(ctx, ac, liger=True), peer_modes)
     figures = {"ours_full_tok_s": ours_full.get("tok_s"), "peer_full_tok_s": peer_full.get("tok_s"),
+               "liger_full_tok_s": liger_full.get("tok_s"),
                "ours_best_ac": ours_ac, "ours_best_tok_s": ours.get("tok_s"), "ours_best_mfu_pct": ours.get("mfu_pct"),
                "ours_best_peak_gib": ours.get("peak_gib"), "peer_best_ac": peer_ac, "peer_best_tok_s": peer.get("tok_s"),
-               "peer_best_peak_gib": peer.get("peak_gib")}
-    if ours.get("tok_s") and peer.get("tok_s"):
-        figures["best_vs_best"] = ours["tok_s"] / peer["tok_s"]
-    if ours_full.get("tok_s") and peer_full.get("tok_s"):
-        figures["full_vs_full"] = ours_full["tok_s"] / peer_full["tok_s"]
+               "peer_best_peak_gib": peer.get("peak_gib"), "liger_best_ac": liger_ac,
+               "liger_best_tok_s": liger.get("tok_s"), "liger_best_peak_gib": liger.get("peak_gib")}
+    better_best = max((r.get("tok_s") or 0 for r in (peer, liger)), default=0)
+    better_full = max(peer_full.get("tok_s") or 0, liger_full.get("tok_s") or 0)
+    if ours.get("tok_s") and better_best:
+        figures["best_vs_best"] = ours["tok_s"] / better_best  # against the better peer
+    if ours_full.get("tok_s") and better_full:
+        figures["full_vs_full"] = ours_full["tok_s"] / better_full
     if ctx.dry_run and not peer_full["losses"][-1] < peer_full["losses"][0]:
         return {"status": "fail", "figures": figures, "detail": f"the peer did not train: losses {peer_full['losses']}"}
+    why_no_liger = f" ({liger_full['unavailable']})" if liger_full.get("unavailable") else ""
     return {"status": "measured", "figures": figures,
             "detail": f"1B shape at {128 if ctx.dry_run else SEQ} tokens, one GPU, compiled bf16; ours: train.py "
                       f"(passkey, byte tokenizer, sdpa), the peer: transformers LlamaForCausalLM, fp32 weights under "
-                      f"bf16 autocast, SDPA, per-layer compile, fused AdamW; medians after warm-up; targets: "
+                      f"bf16 autocast, SDPA, per-layer compile, fused AdamW; liger: the same after "
+                      f"apply_liger_kernel_to_llama{why_no_liger}; "
+                      f"medians after warm-up; ratios against the better peer; targets: "
                       f"best_vs_best >= 1.2, full_vs_full >= 1.0"}
 
 

@@ -12,6 +12,10 @@ Each step ends in ``loss.item()`` (what a loop that logs its loss does), so step
 whole; the first ``--warmup`` are dropped, the median of the rest is reported with MFU by
 ``metrics/flops.py`` (the count our step line uses) and the peak reserved memory. Out of
 memory is a result (``"oom": true``), not an error. No code of ours runs inside the loop.
+
+``--liger``: the same loop after Liger-Kernel's ``apply_liger_kernel_to_llama`` (fused linear
+cross-entropy, RMSNorm, SwiGLU, RoPE), the strongest loop a transformers user writes today; needs
+CUDA and ``liger-kernel`` (``"unavailable"`` says which is missing).
 """
 
 from __future__ import annotations
@@ -26,9 +30,27 @@ import time
 import torch
 
 
-def build_peer(config_argv: list[str], device: torch.device, ac: str, compile_on: bool):
-    """(transformers model, our model arguments): the same shape as our config's model, fp32 weights."""
+def liger_problem(device: torch.device) -> str:
+    """Why the Liger column cannot run here ("" when it can)."""
+    import importlib.util
+
+    if device.type != "cuda":
+        return "Liger-Kernel's kernels need CUDA"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install 'titan-ulysses[liger]'; scripts/gpu_wheels.sh carries it)"
+    return ""
+
+
+def build_peer(config_argv: list[str], device: torch.device, ac: str, compile_on: bool, liger: bool = False):
+    """(transformers model, our model arguments): the same shape as our config's model, fp32 weights;
+    ``liger``: Liger-Kernel's Llama patch applied first."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True)
 
     from titan_ulysses.config.manager import load_config
     from titan_ulysses.interop.hf_export import hf_config
@@ -53,12 +75,14 @@ def build_peer(config_argv: list[str], device: torch.device, ac: str, compile_on
 
 
 def run_peer(config_argv: list[str], seq_len: int, ac: str, compile_on: bool, steps: int, warmup: int,
-             device: torch.device, lr: float = 1e-4) -> dict:
+             device: torch.device, lr: float = 1e-4, liger: bool = False) -> dict:
     """Train ``steps`` steps; tokens/s (median after ``warmup``), MFU, peak memory and the losses."""
     from titan_ulysses.metrics.flops import flops_per_token, peak_flops
 
     cuda = device.type == "cuda"
-    model, args = build_peer([*config_argv, "--training.seq_len", str(seq_len)], device, ac, compile_on)
+    if liger and liger_problem(device):
+        return {"unavailable": liger_problem(device), "ac": ac}
+    model, args = build_peer([*config_argv, "--training.seq_len", str(seq_len)], device, ac, compile_on, liger)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=cuda)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, min(args.vocab_size, 256), (1, seq_len), generator=gen).to(device)  # [1, S]
@@ -84,7 +108,8 @@ def run_peer(config_argv: list[str], seq_len: int, ac: str, compile_on: bool, st
     return {"oom": False, "ac": ac, "compile": compile_on, "seq_len": seq_len, "tok_s": tok_s, "step_s": step_s,
             "mfu_pct": 100 * tok_s * flops_per_token(args, seq_len) / peak if peak else None,
             "peak_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None, "losses": losses,
-            "device": torch.cuda.get_device_name(device) if cuda else "CPU", "torch": torch.__version__}
+            "device": torch.cuda.get_device_name(device) if cuda else "CPU", "torch": torch.__version__,
+            "liger": liger}
 
 
 def main(argv=None) -> int:
@@ -95,11 +120,12 @@ def main(argv=None) -> int:
     p.add_argument("--compile", default="on", choices=["on", "off"])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--liger", action="store_true", help="apply Liger-Kernel's Llama patch first (CUDA)")
     p.add_argument("--extra", default="", help="overrides of our config that shape the model, one quoted string")
     a = p.parse_args(argv)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     out = run_peer(["--config", a.config, *shlex.split(a.extra)], a.seq_len, a.ac, a.compile == "on", a.steps,
-                   a.warmup, device)
+                   a.warmup, device, liger=a.liger)
     print("PEER " + json.dumps(out), flush=True)
     return 0
 

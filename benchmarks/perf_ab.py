@@ -7,14 +7,16 @@ On the 1B shape at 16K tokens, one GPU, compiled bf16, AC none (``peer_1b_16k``'
 * ``perf_1b_16k_default``: the step as shipped, the base of the next three, same call;
 * ``perf_prefetch_off``: ``--training.prefetch_batches 0`` (synchronous loader) against it;
 * ``perf_sync_free_off``: ``--training.sync_free_step false`` (the host read every step);
-* ``perf_loss_unchunked``: ``--model.loss_chunk_size 0`` (full logits) against the config's 8192;
+* ``perf_loss_materialized``: ``--model.loss_backend materialized`` (all logits at once) against the default
+  fused loss; ``perf_loss_chunked``: ``--model.loss_backend chunked`` (the default until issue 47);
 * ``perf_sdpa_order_hd64``: the SDPA kernels at the 1B's heads (32 q / 8 kv, head_dim 64) at 16K,
   which ``"auto"`` has no measurement for (``ops/attention/sdpa_table.py``): the fastest wins a row;
 * ``perf_fsdp_one_rank``: FSDP2 on one rank against the plain module (``benchmarks/fsdp_one_rank.py``);
 * ``perf_liger``: Liger-Kernel's fused linear cross-entropy, RMSNorm and SwiGLU against ours on
-  the 1B's layer shapes at 16K tokens, fwd+bwd, with their numbers against ours. Standalone: our
-  model has no norm/loss backend registry to put Liger behind (a setting would be a string
-  switch in models/), so a win here is the case for building one.
+  the 1B's layer shapes at 16K tokens, fwd+bwd, with their numbers against ours. Each side runs on
+  its own fresh clones of the inputs: Liger's backward overwrites its saved inputs in place, which
+  made a shared-leaf comparison report ``swiglu_rel_err 0.98``. The loss backends side by side are
+  ``perf_loss`` (``benchmarks/perf_loss.py``, in ``first``).
 
 A dry run (CPU, CI) builds each train.py cell's command line and does not run it (two of the
 settings are being added beside this part; the lead checks them after the merge), and runs the
@@ -40,7 +42,8 @@ AB = {  # cell -> the overrides it adds to the default cell
     "perf_1b_16k_default": [],
     "perf_prefetch_off": ["--training.prefetch_batches", "0"],
     "perf_sync_free_off": ["--training.sync_free_step", "false"],
-    "perf_loss_unchunked": ["--model.loss_chunk_size", "0"],
+    "perf_loss_materialized": ["--model.loss_backend", "materialized"],
+    "perf_loss_chunked": ["--model.loss_backend", "chunked", "--model.loss_chunk_size", "8192"],
 }
 
 
@@ -137,24 +140,28 @@ def liger_vs_ours(ctx):
     def make(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(ctx.device, dtype).requires_grad_()
 
-    h, w_out, labels = make(t, d), make(v, d, scale=d ** -0.5), torch.randint(0, v, (t,), generator=gen).to(ctx.device)
-    x, w_norm = make(t, d), make(d)
-    a, b = make(t, f), make(t, f)
-    ops = {
-        "loss": (lambda: linear_cross_entropy_sum(h[None], w_out, labels[None], 8192),
-                 lambda: liger.liger_fused_linear_cross_entropy(h, w_out, labels, reduction="sum"), (h, w_out)),
-        "rmsnorm": (lambda: rms_norm(x, w_norm, 1e-5),
-                    lambda: liger.liger_rms_norm(x, w_norm, 1e-5, in_place=False), (x, w_norm)),
-        "swiglu": (lambda: F.silu(a) * b, lambda: liger.liger_swiglu(a, b), (a, b)),
+    labels = torch.randint(0, v, (t,), generator=gen).to(ctx.device)
+    inputs = {"loss": (make(t, d), make(v, d, scale=d ** -0.5)), "rmsnorm": (make(t, d), make(d)),
+              "swiglu": (make(t, f), make(t, f))}
+    ops = {  # (ours, theirs) of the op's leaves
+        "loss": (lambda h, w: linear_cross_entropy_sum(h, w, labels),
+                 lambda h, w: liger.liger_fused_linear_cross_entropy(h, w, labels, reduction="sum")),
+        "rmsnorm": (lambda x, w: rms_norm(x, w, 1e-5), lambda x, w: liger.liger_rms_norm(x, w, 1e-5, in_place=False)),
+        "swiglu": (lambda a, b: F.silu(a) * b, lambda a, b: liger.liger_swiglu(a, b)),
     }
     figures = {}
-    for op, (ours, theirs, leaves) in ops.items():
+    for op, (ours, theirs) in ops.items():
         results = {}
-        for who, fn in (("ours", ours), ("liger", theirs)):
+        for who, op_fn in (("ours", ours), ("liger", theirs)):
             if who == "liger" and liger is None:
                 continue
+            # fresh leaves for each side: Liger's backward overwrites what it saved (its inputs) in place
+            leaves = [x.detach().clone().requires_grad_() for x in inputs[op]]
 
-            def step(fn=fn):
+            def fn(op_fn=op_fn, leaves=leaves):
+                return op_fn(*leaves)
+
+            def step(fn=fn, leaves=leaves):
                 for leaf in leaves:
                     leaf.grad = None
                 out = fn()
@@ -169,7 +176,7 @@ def liger_vs_ours(ctx):
             figures[f"{op}_rel_err"] = max(rel_err(x_, y_) for x_, y_ in zip(results["liger"], results["ours"]))
     return {"status": "measured", "figures": figures,
             "detail": f"fwd+bwd, {t} tokens, dim {d}, ffn {f}, vocab {v}, {str(dtype).removeprefix('torch.')}; ours: "
-                      "chunked loss (8192), ops/norm.rms_norm, silu(a)*b, eager; liger_over_ours > 1: Liger faster"
+                      "the fused loss (ops/loss, default chunk), ops/norm.rms_norm, silu(a)*b, eager; liger_over_ours > 1: Liger faster"
                       + ("" if liger else "; liger-kernel not installed here (it needs CUDA): ours only")}
 
 

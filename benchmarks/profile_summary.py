@@ -9,7 +9,8 @@ and on a CPU one (the outermost ``aten::`` operators, which are what a CPU compu
   same against the profiled steps' wall-clock time (``wall_s``), which also counts the start;
 * ``parts_ms``: time in attention, linears, loss, optimizer, FSDP casts and data (``PARTS``),
   by the enclosing ``record_function`` ranges first (``FSDP::...``, ``Optimizer.step``, the
-  caller's ``data``) and the kernel's name second; what matches nothing is ``other``;
+  caller's ``data``, the loss's ``titan_ulysses.loss``: its matmuls are the loss's, not linears)
+  and the kernel's name second; what matches nothing is ``other``;
 * ``host_syncs``: runtime calls that wait for the device (stream/device/event synchronize,
   blocking ``cudaMemcpy``) and ``scalar_reads`` (``aten::_local_scalar_dense``: ``.item()``,
   ``bool(tensor)``), which on CUDA each wait for the device.
@@ -27,7 +28,9 @@ PARTS = [
     ("optimizer", r"^Optimizer\.(step|zero_grad)", r"adam"),
     ("fsdp_casts", r"^FSDP::", r"^$"),
     ("attention", r"attention|^ulysses", r"flash|fmha|sdpa|attention|attn|cudnn"),
-    ("loss", r"cross_entropy|chunked_loss|^loss", r"cross_entropy|nll_loss|log_softmax|logsumexp"),
+    # the loss by its range (ops/loss/registry.py PROFILE_RANGE; a chunked backward by its autograd node's name)
+    ("loss", r"^titan_ulysses\.loss$|LinearCrossEntropy|cross_entropy|chunked_loss|^loss",
+     r"cross_entropy|nll_loss|log_softmax|logsumexp"),
     ("linears", r"^$", r"gemm|nvjet|cutlass|xmma|sm90_|splitk|aten::(mm|addmm|bmm|matmul|linear)$"),
 ]
 SYNC_CALLS = re.compile(r"^(cuda|cu)(StreamSynchronize|DeviceSynchronize|EventSynchronize|CtxSynchronize)$|^cudaMemcpy$")

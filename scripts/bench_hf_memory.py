@@ -9,9 +9,9 @@ is the bytes of every tensor autograd saves for the backward (unique storages, t
 peak. It is measured at two sequence lengths and the difference divided by the difference in
 this rank's tokens, so parameters and other fixed costs drop out: bytes per local token.
 Rows: no activation checkpointing, full checkpointing per block (ours: ``ac_mode full``;
-transformers: ``gradient_checkpointing_enable``), and ours with ``loss_chunk_size`` and
+transformers: ``gradient_checkpointing_enable``), and ours with the fused loss (``loss_backend``) and
 ``mlp_tile_size`` 256 as the long-context configs set them. The logits' share grows with the vocabulary;
-train.py's chunked loss never holds ``[S/sp, vocab]`` logits at once.
+train.py's fused loss never holds ``[S/sp, vocab]`` logits at once.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def ours(folder: str, seq: int, ac: bool, chunked: bool = False) -> int:
     pd = ParallelDims(sp=dist.get_world_size(), world_size=dist.get_world_size())
     pd.build_mesh("cpu")
     with torch.device("meta"):
-        model = build_model(load_hf_args(folder), ComputeOptions(loss_chunk_size=256 if chunked else 0,
+        model = build_model(load_hf_args(folder), ComputeOptions(loss_backend="fused" if chunked else "materialized",
                                                                  mlp_tile_size=256 if chunked else 0))
     parallelize_decoder(model, pd, ParallelizeOptions(param_dtype=torch.float32, ac_mode="full" if ac else "none"))
     model.to_empty(device="cpu")

@@ -23,7 +23,7 @@ from titan_ulysses.ops.loss import IGNORE_INDEX, cross_entropy_sum
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-RUNTIME_FIELDS = ("attn_backend", "sdpa_backends", "mlp_tile_size", "loss_chunk_size")
+RUNTIME_FIELDS = ("attn_backend", "sdpa_backends", "mlp_tile_size", "loss_backend", "loss_chunk_size")
 
 
 def split_overrides(overrides: dict) -> tuple[dict, ComputeOptions]:

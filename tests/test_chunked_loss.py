@@ -14,16 +14,17 @@ from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
 from titan_ulysses.ops.loss import IGNORE_INDEX, linear_cross_entropy_sum
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 64])
-def test_chunked_matches_plain(chunk):
+@pytest.mark.parametrize("backend", ["fused", "chunked"])
+@pytest.mark.parametrize("chunk", [0, 1, 5, 64])
+def test_chunked_matches_plain(chunk, backend):
     torch.manual_seed(0)
     hidden = torch.randn(2, 13, 32, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 32, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 50, (2, 13))
     labels[0, :4] = IGNORE_INDEX
-    plain = linear_cross_entropy_sum(hidden, weight, labels)
+    plain = linear_cross_entropy_sum(hidden, weight, labels, backend="materialized")
     g_h, g_w = torch.autograd.grad(plain * 0.37, (hidden, weight))
-    chunked = linear_cross_entropy_sum(hidden, weight, labels, chunk_size=chunk)
+    chunked = linear_cross_entropy_sum(hidden, weight, labels, backend=backend, chunk_size=chunk)
     c_h, c_w = torch.autograd.grad(chunked * 0.37, (hidden, weight))
     torch.testing.assert_close(chunked.double(), plain.double())
     torch.testing.assert_close(c_h, g_h)
@@ -34,7 +35,7 @@ def _sharded_chunked_loss_matches_reference():
     pd = ParallelDims(sp=2, world_size=dist.get_world_size())
     pd.build_mesh("cpu")
     args = small_args(tie_embeddings=True)
-    ref, model = build_pair(args, pd, ParallelizeOptions(param_dtype=torch.float32), ComputeOptions(loss_chunk_size=3))
+    ref, model = build_pair(args, pd, ParallelizeOptions(param_dtype=torch.float32), ComputeOptions(loss_chunk_size=3, loss_backend="chunked"))
     inputs, labels = make_batch(0, 2, 13, args.vocab_size)
     n = (labels != IGNORE_INDEX).sum()
     ref_loss = torch.nn.functional.cross_entropy(

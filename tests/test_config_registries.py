@@ -11,10 +11,12 @@ from titan_ulysses.distributed.float8 import RECIPES
 from titan_ulysses.models.extension import METHODS
 from titan_ulysses.models.rope import ROPE_TYPES
 from titan_ulysses.ops.attention.registry import BACKENDS
+from titan_ulysses.ops.loss.registry import BACKENDS as LOSS_BACKENDS
 from titan_ulysses.optim import DECAY_TYPES
 
 OWNERS = {
     "model.attn_backend": tuple(BACKENDS),
+    "model.loss_backend": tuple(LOSS_BACKENDS),
     "model.rope_scaling_type": ("",) + METHODS,  # "": the model's own method
     "activation_checkpoint.mode": AC_MODES,
     "lr_scheduler.decay_type": DECAY_TYPES,

@@ -96,7 +96,7 @@ def test_continue_training_export_round_trip(trained, tmp_path):
     assert (step / "model_args.json").exists() and (step / "hf_assets" / "tokenizer.json").exists()
     # the record says what the model is, not how this run computed it
     recorded = json.loads((step / "model_args.json").read_text())["args"]
-    assert not {"attn_backend", "sdpa_backends", "mlp_tile_size", "loss_chunk_size"} & set(recorded), sorted(recorded)
+    assert not {"attn_backend", "sdpa_backends", "mlp_tile_size", "loss_backend", "loss_chunk_size"} & set(recorded), sorted(recorded)
     out = tmp_path / "export"
     # no --dtype: the folder's float32 comes back (bfloat16 would move each weight by up to 4e-3)
     proc = subprocess.run([sys.executable, "scripts/export_hf.py", "--checkpoint", str(step), "--output", str(out)],

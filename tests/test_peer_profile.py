@@ -10,6 +10,7 @@ from torch.profiler import record_function
 
 from benchmarks.peer_transformers import build_peer, run_peer
 from benchmarks.profile_summary import part_of, profile
+from titan_ulysses.ops.loss import PROFILE_RANGE, linear_cross_entropy_sum
 from titan_ulysses.config.manager import load_config
 from titan_ulysses.models.resolve import model_args
 
@@ -36,7 +37,7 @@ class _Tiny(nn.Module):
     def forward(self, x):  # [B, S]
         q, k, v = self.qkv(self.emb(x)).view(*x.shape, 3, 2, 8).unbind(2)  # [B, S, H, D] each
         a = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
-        return self.out(a.transpose(1, 2).flatten(2))  # [B, S, 32]
+        return a.transpose(1, 2).flatten(2)  # [B, S, 16]: the output projection is the loss's
 
 
 def test_profile_summary_of_a_cpu_step():
@@ -51,7 +52,7 @@ def test_profile_summary_of_a_cpu_step():
             x = next(data)
         with record_function("FSDP::all_gather_copy_out"):  # FSDP2's range name: a cast under it is FSDP's
             model.out.weight.data.copy_(model.out.weight.to(torch.float64).to(torch.float32))
-        loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss = linear_cross_entropy_sum(model(x), model.out.weight, x) / x.numel()  # the real (fused) loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -80,4 +81,8 @@ def test_kernels_are_placed_by_range_then_name():
                                                   "Optimizer.step#AdamW.step"]) == "optimizer"
     assert part_of("Memcpy HtoD (Pinned -> Device)", []) == "data"
     assert part_of("triton_red_fused__log_softmax_0", []) == "loss"
+    # the fused loss's matmuls by its range, the chunked loss's backward by its autograd node
+    assert part_of("sm90_xmma_gemm_bf16bf16", ["aten::mm", PROFILE_RANGE]) == "loss"
+    assert part_of("cutlass_80_simt_sgemm_128x256_8x4_nt_align1",
+                   ["autograd::engine::evaluate_function: _ChunkedLinearCrossEntropyBackward"]) == "loss"
     assert part_of("triton_poi_fused_mul_silu_1", []) == "other"

@@ -26,6 +26,7 @@ from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.moe.checks import check_moe
 from titan_ulysses.models.registry import check_compute
 from titan_ulysses.ops.attention import check_attention_settings
+from titan_ulysses.ops.loss import check_loss_backend
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ CHECKS: tuple[tuple[str, Callable[[Run], None], str], ...] = (
      lambda r: check_seq_len(r.config.training.seq_len, r.dims.sp, r.dims.cp), "training.seq_len: {e}"),
     ("ops/attention/registry.py: what the backend cannot do (the device: check_device)",
      lambda r: check_attention_settings(r.config.model.attn_backend, r.config.model.sdpa_backends, r.dims.cp), "{e}"),
+    ("ops/loss/registry.py: the loss backend on this machine (CUDA, its package, the final softcap)",
+     lambda r: check_loss_backend(r.config.model.loss_backend, r.args.final_softcap), "{e}"),
     ("the global batch over dp", _batch, "{e}"),
     ("distributed/float8.py: this machine and layout", _float8, "{e}"),
     ("metrics/profiling.py: memory snapshots need CUDA",

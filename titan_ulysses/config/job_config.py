@@ -67,8 +67,14 @@ class Model:
     model's config.json (router_aux_loss_coef when output_router_logits is true, else 0, as
     transformers trains it; most released configs say false); 0: off; up to 1 sets it (Qwen3-MoE and
     Mixtral ship 0.001 and 0.02). Logged as aux_loss either way."""
+    loss_backend: str = "fused"
+    """The output projection + loss (docs/loss.md): fused (gradients in forward, chunk by chunk, dW
+    accumulated in fp32 on tensor cores), chunked (logits recomputed in backward), materialized (all
+    logits at once), liger or cce (CUDA; pip install 'titan-ulysses[liger]' / '[cce]');
+    titan_ulysses/ops/loss/registry.py says what each can do."""
     loss_chunk_size: int = 0
-    """Tokens per chunk of output projection + loss (0: all logits at once)."""
+    """Tokens per chunk of the fused and chunked loss backends: an override (0: chosen from the
+    vocabulary, the model dim and the token count, so one default serves 4K and 1M tokens)."""
     mlp_tile_size: int = 0
     """Tokens per tile of the tiled MLP with recompute (0: untiled)."""
 
@@ -375,6 +381,7 @@ class JobConfig:
 CHOICES = {
     "model.name": ("llama3",),
     "model.attn_backend": ("sdpa", "flex", "flash_attn"),  # ops/attention/registry.py's BACKENDS (config/ is a leaf)
+    "model.loss_backend": ("fused", "chunked", "materialized", "liger", "cce"),  # ops/loss/registry.py's BACKENDS
     "model.rope_scaling_type": ("", "llama3", "yarn", "linear"),
     "model.tokenizer": ("", "byte", "tiktoken", "hf"),
     "training.dataset": ("passkey", "text", "sft"),

@@ -34,7 +34,7 @@ LAYOUT_SETTINGS = (
     "parallelism.context_parallel_degree", "parallelism.ulysses_degree", "parallelism.tensor_parallel_degree",
     "parallelism.expert_parallel_degree", "parallelism.ulysses_head_stages", "activation_checkpoint.mode",
     "activation_checkpoint.layers_per_checkpoint", "compile.enable", "model.sdpa_backends",
-    "model.loss_chunk_size", "model.mlp_tile_size",
+    "model.loss_backend", "model.loss_chunk_size", "model.mlp_tile_size",
 )
 SAVED_SETTINGS = RESUME_SETTINGS + MODEL_SETTINGS + LAYOUT_SETTINGS
 # a checkpoint's adapters have its rank's shapes and its targets' names: no override can load them into others

@@ -45,7 +45,7 @@ RECORD = "model_args.json"
 ASSETS = "hf_assets"
 # the files of a Hugging Face folder that are not weights and that an export carries over
 ASSET_SUFFIXES = (".json", ".model", ".txt", ".jinja", ".tiktoken")
-_RUNTIME_FIELDS = ("attn_backend", "sdpa_backends", "mlp_tile_size", "loss_chunk_size")  # how it ran, not what it is
+_RUNTIME_FIELDS = ("attn_backend", "sdpa_backends", "mlp_tile_size", "loss_backend", "loss_chunk_size")  # how it ran, not what it is
 
 
 # -- the record ------------------------------------------------------------------------------

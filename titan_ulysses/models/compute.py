@@ -18,13 +18,15 @@ class ComputeOptions:
     machine the model is built on: ops.attention.sdpa_priority)."""
     mlp_tile_size: int = 0
     """Tokens per tile of the tiled MLP (0: untiled). Bounds MLP intermediates to one tile."""
+    loss_backend: str = "fused"
+    """The output projection + cross-entropy when the model computes the loss: a backend of
+    ops/loss/registry.py ("fused", "chunked", "materialized", "liger", "cce")."""
     loss_chunk_size: int = 0
-    """Tokens per chunk of the output projection + cross-entropy when the model computes the
-    loss (0: all logits at once). Bounds logits memory to [loss_chunk_size, vocab]."""
+    """Tokens per chunk of the chunking loss backends (0: chosen from vocab, dim and the token count)."""
 
     @classmethod
     def from_config(cls, model_config) -> "ComputeOptions":
         """From the ``[model]`` section of a JobConfig."""
         m = model_config
         return cls(attn_backend=m.attn_backend, sdpa_backends=m.sdpa_backends, mlp_tile_size=m.mlp_tile_size,
-                   loss_chunk_size=m.loss_chunk_size)
+                   loss_backend=m.loss_backend, loss_chunk_size=m.loss_chunk_size)

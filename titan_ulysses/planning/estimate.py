@@ -24,6 +24,7 @@ from titan_ulysses.planning.layer_terms import (
     stage_kept_per_token,
     widths,
 )
+from titan_ulysses.ops.loss.common import chunk_rows
 from titan_ulysses.ops.norm import CHUNK_TOKENS as NORM_CHUNK_TOKENS
 from titan_ulysses.models.decoder.args import DecoderArgs
 
@@ -44,11 +45,12 @@ class Estimate:
     attention_working_set: float
     mlp_working_set: float
     logits: float
-    """The loss's largest transient over tokens x vocabulary (one chunk with ``loss_chunk_size``)."""
+    """The loss's largest transient over tokens x vocabulary (one chunk with the fused and chunked backends)."""
     host_offloaded: float
     """Bytes moved to host memory (not in ``total``)."""
     loss_weight_gradient: float = 0.0
-    """The chunked loss backward's fp32 [V, D] output-weight gradient and the hidden states' gradient."""
+    """The fp32 [V, D] output-weight gradient and the hidden states' gradient beside the loss's backward (the
+    fused loss keeps them from its forward on, the chunked makes them in backward)."""
     reduce_scatter: float = 0.0
     """One block's fp32 reduce-scatter input, kept by FSDP until the next block's reduce-scatter."""
     root_gradients: float = 0.0
@@ -73,23 +75,35 @@ class Estimate:
         return {**terms, "phases": dict(self.phases), "total": self.total, "peak_phase": self.peak_phase}
 
 
-def _loss_transients(args: DecoderArgs, s: Switches, tokens: float) -> tuple[float, float, float]:
-    """(forward, backward, beside the backward's logits) bytes of the loss (``ops/loss.py``) over ``tokens`` rows.
+def _loss_transients(args: DecoderArgs, s: Switches, tokens: float) -> tuple[float, float, float, float]:
+    """(forward, backward, beside the backward's, beside the forward's) bytes of the loss (``ops/loss/``, the
+    ``loss_backend``'s; liger and cce counted as fused) over ``tokens`` rows; r rows a chunk (``chunk_rows``).
 
-    Chunked, per chunk of r rows: forward, the fp32 logits and their log-softmax; backward,
-    the fp32 logits and their softmax (then the softmax, its compute-dtype cast and the hidden
-    states' gradient of the chunk), beside the whole fp32 [V, D] gradient and [T, D] hidden
-    gradient. Unchunked: forward, the logits, their fp32 upcast (a copy in bf16) and
-    log-softmax; backward, the saved log-softmax, its gradient and log_softmax's backward output.
+    Fused: the gradients made in forward, [T, D] in the compute dtype and the output weight's fp32 [V, D]
+    (none when frozen: LoRA), kept from forward to backward, beside one chunk's logits, their fp32 copy
+    (the eager sequence: on CUDA compiled, an upper bound), its cast back (and the softcap's derivative);
+    backward, the weight gradient's cast to the compute dtype (the [T, D] gradient takes the place of the
+    final norm's output, which ``saved`` counts and nothing keeps past the fused forward).
+    Chunked: forward, the fp32 logits and
+    their log-softmax; backward, the fp32 logits and their softmax (then the softmax, its compute-dtype
+    cast and the hidden states' gradient of the chunk), beside the fp32 [V, D] and [T, D] gradients.
+    Materialized: forward, the logits, their fp32 upcast (a copy in bf16) and log-softmax; backward, the
+    saved log-softmax, its gradient and log_softmax's backward output.
     """
     a, v, d = s.act_bytes, args.vocab_size, args.dim
     cast = a if a < 4 else 0  # bytes of a copy to fp32 or back (none in fp32)
-    if s.loss_chunk_size:
-        r = min(s.loss_chunk_size, tokens)
+    weight_grad = 0.0 if s.lora_rank else 4 * v * d  # a frozen output weight has none
+    if s.loss_backend == "materialized":
+        return (a + (4 if cast else 0) + 4) * tokens * v, 12 * tokens * v, 0.0, 0.0
+    r = min(chunk_rows(s.loss_chunk_size, int(tokens), v, d), tokens)
+    if s.loss_backend == "chunked":
         forward = max(cast * r * v + 4 * r * v, 8 * r * v)
         backward = max(8 * r * v, (4 + cast) * r * v + a * r * d)
-        return forward, backward, 4 * v * d + a * tokens * d
-    return (a + (4 if cast else 0) + 4) * tokens * v, 12 * tokens * v, 0.0
+        return forward, backward, weight_grad + a * tokens * d, 0.0
+    kept = weight_grad + a * tokens * d
+    chunk = (a + 4 + cast + (4 if args.final_softcap else 0)) * r * v
+    backward = max(a * v * d if weight_grad else 0.0, 8 * r * d if cast else 0.0)
+    return chunk, backward, weight_grad, kept
 
 
 def estimate(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1) -> Estimate:
@@ -161,11 +175,9 @@ def estimate(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int
         mlp_ws = (moe.combine if s.ac_mode == "none" else max(moe.combine, moe.dispatch + a * d)) * tokens
     if s.lora_rank:  # the adapters' gradient of the MLP input beside the base projections' (measured)
         mlp_ws += a * d * tokens
-    loss_fwd, loss_bwd, loss_weight_grad = _loss_transients(args, s, tokens)
+    loss_fwd, loss_bwd, loss_weight_grad, loss_kept = _loss_transients(args, s, tokens)
     # the output weight's gradient in the compute dtype (none for a frozen one: LoRA)
     out_grad = 0.0 if s.lora_rank else a * args.vocab_size * d
-    if s.lora_rank and s.loss_chunk_size:
-        loss_weight_grad -= 4 * args.vocab_size * d
     # the final RMSNorm (ops/norm.py) computes in fp32, CHUNK_TOKENS tokens at a time in eager
     # mode: forward a chunk's upcast input, normalised input and its product with the weight;
     # backward five [chunk, D] fp32 tensors
@@ -242,7 +254,7 @@ def estimate(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int
         reduced -= 4 * units.dense / a / n
     top = (args.n_layers - 1) // k  # the top group (k = 1: the top layer)
     phases = {
-        "loss forward": rest + earlier + root + last_gather + saved + max(loss_fwd, norm_fwd),
+        "loss forward": rest + earlier + root + last_gather + saved + max(loss_kept + loss_fwd, norm_fwd),
         "loss backward": rest + earlier + root + first_prefetch + saved + rope_held
         + max(loss_weight_grad + loss_bwd, out_grad + a * tokens * d + norm_bwd),
         "layer backward": max(layer_backward(i) for i in range(args.n_layers) if i // k in (0, 1, top - 1, top)),

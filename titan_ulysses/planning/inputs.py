@@ -30,6 +30,9 @@ class Switches:
     ac_layers_per_checkpoint: int = 1
     """``activation_checkpoint.layers_per_checkpoint``: full AC in groups of this many blocks (``groups.py``)."""
     loss_chunk_size: int = 0
+    """``model.loss_chunk_size``: rows per chunk of the fused / chunked loss (0: ``ops/loss``'s automatic choice)."""
+    loss_backend: str = "fused"
+    """``model.loss_backend`` (``ops/loss/registry.py``): what the loss keeps depends on it."""
     mlp_tile_size: int = 0
     cpu_offload: bool = False
     act_bytes: int = 2
@@ -54,6 +57,7 @@ def from_config(config, dims, args=None):
     dp = dims.size("dp")
     switches = Switches(
         ac_mode=config.activation_checkpoint.mode, loss_chunk_size=config.model.loss_chunk_size,
+        loss_backend=config.model.loss_backend,
         ac_layers_per_checkpoint=config.activation_checkpoint.layers_per_checkpoint,
         mlp_tile_size=config.model.mlp_tile_size, cpu_offload=t.enable_cpu_offload,
         act_bytes=2 if t.mixed_precision_param == "bfloat16" else 4,

@@ -21,7 +21,7 @@ _AC_STRENGTH = {"none": 0, "selective": 1, "full": 2, "full_offload": 3}
 
 
 SWITCH_ORDER = [  # (override, Switches change), cumulative, as in docs/memory.md's table
-    ("--model.loss_chunk_size 8192", {"loss_chunk_size": 8192}),
+    ("--model.loss_backend fused", {"loss_backend": "fused"}),  # never all the logits (the default)
     ("--model.mlp_tile_size 8192", {"mlp_tile_size": 8192}),
     ("--activation_checkpoint.mode selective", {"ac_mode": "selective"}),
     ("--activation_checkpoint.mode full", {"ac_mode": "full"}),
@@ -97,7 +97,9 @@ def _stronger(switches: Switches, change: dict) -> bool:
     key, value = next(iter(change.items()))
     if key == "ac_mode":
         return _AC_STRENGTH[value] > _AC_STRENGTH[switches.ac_mode]
-    if key in ("loss_chunk_size", "mlp_tile_size"):
+    if key == "loss_backend":  # fused and chunked hold one chunk of logits; materialized all of them
+        return switches.loss_backend == "materialized"
+    if key == "mlp_tile_size":
         return getattr(switches, key) == 0
     return getattr(switches, key) != value
 

@@ -40,6 +40,12 @@ def track_step(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: i
 
     from titan_ulysses.planning import extrapolate as ex
 
+    if not switches.loss_chunk_size and switches.loss_backend != "materialized":
+        # the loss chunk the target length gets (ops/loss: chosen from the token count), at every traced length
+        from titan_ulysses.ops.loss import auto_chunk_size
+
+        tokens = local_batch * ex.local_tokens(seq_len, layout)
+        switches = dataclasses.replace(switches, loss_chunk_size=auto_chunk_size(tokens, args.vocab_size, args.dim))
     group = switches.ac_layers_per_checkpoint
     depths = ex.tracked_layer_counts(args.n_layers, extrapolate, group)
     lengths, why = ex.sample_lengths(seq_len, layout, switches) if extrapolate else ((seq_len,), "")
@@ -189,5 +195,7 @@ def _compute(switches: Switches):
     from titan_ulysses.models.compute import ComputeOptions
 
     # sdpa: the one backend that trains on CPU (flash_attn is CUDA-only, flex has no CPU backward)
+    # liger / cce are CUDA kernels with no fake-tensor path: counted as fused (their transients are smaller)
+    backend = switches.loss_backend if switches.loss_backend in ("fused", "chunked", "materialized") else "fused"
     return ComputeOptions(loss_chunk_size=switches.loss_chunk_size, mlp_tile_size=switches.mlp_tile_size,
-                          attn_backend="sdpa")
+                          attn_backend="sdpa", loss_backend=backend)

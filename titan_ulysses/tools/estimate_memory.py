@@ -85,7 +85,9 @@ def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int
     from titan_ulysses.planning.fake_step import cuda_kernel_choices
 
     dtype = torch.float32 if switches.act_bytes == 4 else torch.bfloat16
-    compute = ComputeOptions(mlp_tile_size=switches.mlp_tile_size, loss_chunk_size=switches.loss_chunk_size)
+    compute = ComputeOptions(mlp_tile_size=switches.mlp_tile_size, loss_chunk_size=switches.loss_chunk_size,
+                             loss_backend=switches.loss_backend if switches.loss_backend in ("chunked", "materialized")
+                             else "fused")
     model = build_model(args, compute).to(dtype)
     apply_ac(model, "full" if switches.ac_mode == "full_offload" else switches.ac_mode)
     with cuda_kernel_choices():  # the kernels CUDA would run (fp32 GQA: kv heads expanded)
@@ -95,11 +97,13 @@ def measure_saved_activations(args, switches: Switches, seq_len: int, batch: int
 def estimated_saved_activations(args, layout, switches: Switches, seq_len: int, batch: int) -> float:
     """The estimate's counterpart of ``measure_saved_activations``: that model has no FSDP (so no per-block
     bf16 copy of the RoPE tables), keeps full_offload's block inputs on the CPU it runs on, and without
-    chunks keeps the loss's fp32 log-probabilities."""
+    keeps the loss's own: materialized its fp32 log-probabilities, fused the output weight's fp32 [V, D]
+    gradient made in forward (none when frozen; its [T, D] one in place of the final norm's output)."""
     mode = "full" if switches.ac_mode == "full_offload" else switches.ac_mode
     est = estimate(args, layout, dataclasses.replace(switches, ac_mode=mode), seq_len, batch)
     tokens = batch * seq_len
-    logits = 0 if switches.loss_chunk_size else tokens * args.vocab_size * 4
+    fused = 0 if switches.lora_rank else 4 * args.vocab_size * args.dim
+    logits = {"materialized": tokens * args.vocab_size * 4, "chunked": 0}.get(switches.loss_backend, fused)
     rope = args.n_layers * switches.act_bytes * args.head_dim * tokens if switches.act_bytes < 4 else 0
     return est.saved_activations + logits - rope
 
@@ -229,7 +233,7 @@ def main(argv=None) -> int:
     print(f"{a.config}: {args.num_params() / 1e9:.2f}B params, seq_len {t.seq_len} x local batch {t.local_batch_size}, "
           f"world {a.world_size} = dp_shard {layout.dp_shard} x cp {layout.cp} x sp {layout.sp} x tp {layout.tp}"
           f"{f', experts over ep {layout.ep}' if layout.ep > 1 else ''}, "
-          f"AC {switches.ac_mode}, loss chunk {switches.loss_chunk_size}, MLP tile {switches.mlp_tile_size}, "
+          f"AC {switches.ac_mode}, loss {switches.loss_backend} (chunk {switches.loss_chunk_size or 'auto'}), MLP tile {switches.mlp_tile_size}, "
           f"{'bf16' if switches.act_bytes == 2 else 'fp32'} compute")
     for key, value in est.as_dict().items():
         if isinstance(value, float) and key != "total":

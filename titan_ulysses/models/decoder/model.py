@@ -26,7 +26,7 @@ from titan_ulysses.models.decoder.norm import RMSNorm
 from titan_ulysses.models.decoder.spec import DecoderSpec
 from titan_ulysses.models.rope import rope_frequencies
 from titan_ulysses.ops.layer_stats import add_stats
-from titan_ulysses.ops.loss import cross_entropy_sum, linear_cross_entropy_sum
+from titan_ulysses.ops.loss import linear_cross_entropy_sum, softcapped
 
 
 def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float):
@@ -103,8 +103,9 @@ class Transformer(nn.Module):
         ``positions`` are the global positions of these tokens (default ``arange(S)``);
         under Ulysses each rank passes those of its own slice so RoPE is right everywhere.
         ``attention_mask`` comes from ``ops.attention.build_attention_mask`` (None: causal).
-        With ``labels: [B, S]`` the output projection and the loss run together, in chunks
-        of ``compute.loss_chunk_size`` tokens when set, so full logits never exist.
+        With ``labels: [B, S]`` the output projection and the loss run together through
+        ``compute.loss_backend`` (``ops/loss/registry.py``; the default computes both gradients in
+        forward, chunk by chunk), so full logits never exist.
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -119,14 +120,13 @@ class Transformer(nn.Module):
         return self.head(h, weight, labels)
 
     def head(self, h, weight, labels=None):
-        """Logits ``[B, S, vocab]`` of the final hidden states, or with ``labels`` the summed loss."""
-        if self.args.final_softcap:  # all the logits at once (no chunking with a softcap)
-            c = self.args.final_softcap
-            logits = c * torch.tanh(F.linear(h, weight) / c)  # [B, S, vocab]
-            return logits if labels is None else cross_entropy_sum(logits, labels)
+        """Logits ``[B, S, vocab]`` of the final hidden states (after the final softcap, if any), or with
+        ``labels`` the summed loss from the loss registry's ``compute.loss_backend``."""
+        softcap = self.args.final_softcap or None
         if labels is not None:
-            return linear_cross_entropy_sum(h, weight, labels, self.compute.loss_chunk_size)
-        return F.linear(h, weight)  # [B, S, vocab]
+            return linear_cross_entropy_sum(h, weight, labels, backend=self.compute.loss_backend,
+                                            chunk_size=self.compute.loss_chunk_size, softcap=softcap)
+        return softcapped(F.linear(h, weight), softcap)  # [B, S, vocab]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)  # [B, S, D]

@@ -1,11 +1,9 @@
-"""Token-level cross-entropy, summed, so callers choose the normaliser (the global token count).
+"""The chunked linear cross-entropy (the default until 2026-11-28, kept for A/B): logits recomputed in backward.
 
-At long sequence lengths the logits are the largest activation of the step: for
-Llama-3 (vocab 128256) a 128K-token slice has 64 GiB of fp32 logits. The chunked path
-computes the loss ``chunk_size`` tokens at a time and recomputes each chunk's logits in
-backward, so at most ``[chunk_size, vocab]`` logits exist at once (in fp32, twice: the
-upcast logits and their softmax; backward also holds an fp32 ``[vocab, D]`` gradient of
-the output weight -- ``planning/estimate.py`` counts them).
+Forward computes the loss ``rows`` tokens at a time; backward recomputes each chunk's logits, so at
+most ``[rows, V]`` logits exist at once (fp32, twice: the upcast logits and their softmax), beside
+an fp32 ``[V, D]`` output-weight gradient accumulated by an fp32 x fp32 GEMM. The ``fused`` backend
+replaces it: it computes the gradients once, in forward, through tensor cores. No final logit softcap.
 """
 
 from __future__ import annotations
@@ -13,24 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
-
-
-def upcast_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype :func:`upcast` gives ``t``, without making the copy (a ``[T, D]`` fp32 transient)."""
-    return torch.promote_types(t.dtype, torch.float32)
-
-
-def upcast(t: torch.Tensor) -> torch.Tensor:
-    """At least fp32 (bf16 logits lose the loss; fp64 stays fp64)."""
-    return t.to(upcast_dtype(t))
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Sum of per-token losses of ``logits: [B, S, V]`` against ``labels: [B, S]`` in fp32."""
-    return F.cross_entropy(
-        upcast(logits.flatten(0, 1)), labels.flatten(), ignore_index=ignore_index, reduction="sum"
-    )
+from titan_ulysses.ops.loss.common import chunk_rows, upcast, upcast_dtype
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -72,17 +53,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight.to(weight.dtype) if need_weight else None, None, None, None
 
 
-def linear_cross_entropy_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-    chunk_size: int = 0, ignore_index: int = IGNORE_INDEX,
-) -> torch.Tensor:
-    """Summed CE of the output projection ``hidden: [B, S, D] @ weight.T: [V, D]`` against ``labels: [B, S]``.
-
-    ``chunk_size`` 0 materialises all logits (fastest at short lengths); > 0 bounds them
-    to ``[chunk_size, V]`` in forward and backward.
-    """
-    if chunk_size <= 0:
-        return cross_entropy_sum(F.linear(hidden, weight), labels, ignore_index)
-    return _ChunkedLinearCrossEntropy.apply(
-        hidden.flatten(0, 1), weight, labels.flatten(), chunk_size, ignore_index
-    )
+def chunked_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                     chunk_size: int, ignore_index: int, softcap: float | None) -> torch.Tensor:
+    """Summed loss of ``hidden: [N, D]`` through ``weight: [V, D]`` against ``labels: [N]``."""
+    rows = chunk_rows(chunk_size, hidden.shape[0], weight.shape[0], weight.shape[1])
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, rows, ignore_index)
