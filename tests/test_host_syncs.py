@@ -18,9 +18,8 @@ import torch
 
 import titan_ulysses
 from dist_utils import run_distributed
-from helpers import BASE, layout
+from helpers import BASE, layout, trace_events
 from titan_ulysses.config.manager import load_config
-from titan_ulysses.metrics.profiling import trace_events
 
 PACKAGE = os.path.dirname(os.path.abspath(titan_ulysses.__file__))
 READS = ("item", "tolist", "cpu", "__bool__", "__float__", "__int__", "numpy")

@@ -41,7 +41,6 @@ from titan_ulysses.data.build import check_dataset_files
 from titan_ulysses.data.datasets import check_passkey_fits
 from titan_ulysses.interop.hf_datasets import training_dataset_path
 from titan_ulysses.interop.hf_tokenizer import hf_tokenizer_file
-from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.metrics.loggers.wandb_logger import login_problem
 from titan_ulysses.layout_checks import Run, run_checks
@@ -156,14 +155,6 @@ def check_device(config: JobConfig, dims: ParallelDims, device, args=None) -> No
         warning = memory_warning(config, dims, dist.get_world_size(), total, args)
         if warning:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
-
-
-def load_tokenizer(config: JobConfig):
-    """The run's tokenizer, as the trainer builds it; a file it cannot read is a ConfigError."""
-    try:
-        return resolve_tokenizer(config.model)
-    except TokenizerError as e:
-        raise ConfigError(str(e)) from e
 
 
 def plan(config: JobConfig, world_size: int, device_gib: float | None = None) -> str:
