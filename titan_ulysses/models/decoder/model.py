@@ -39,12 +39,14 @@ def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float):
 
 class Transformer(nn.Module):
     def __init__(self, args: DecoderArgs, compute: ComputeOptions | None = None, spec: DecoderSpec | None = None):
-        """``spec``: what the family does differently (None: ``args.family``'s, from ``models/registry.py``)."""
+        """``spec``: what the family does differently; None: Llama's (``DecoderSpec()``, which the dense families
+        that declare none share). ``models/registry.build_model`` passes ``args.family``'s: the decoder never
+        looks a family up itself."""
         super().__init__()
-        if spec is None:
-            from titan_ulysses.models.registry import get_family
-
-            spec = get_family(args.family).decoder
+        spec = DecoderSpec() if spec is None else spec
+        if args.moe is not None and not spec.experts:
+            raise ValueError(f"{args.family}'s mixture-of-experts arguments need its DecoderSpec: build the model "
+                             f"with models.registry.build_model(args)")
         self.args, self.spec = args, spec
         self.compute = compute = compute or ComputeOptions()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, padding_idx=args.pad_token_id)

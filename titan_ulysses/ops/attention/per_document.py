@@ -17,8 +17,10 @@ attention forward in backward, in exchange for keeping only q, k and v.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
+from torch import nn
 
 from titan_ulysses.ops.attention.masks import row_spans, segments
 
@@ -29,11 +31,14 @@ from titan_ulysses.ops.attention.masks import row_spans, segments
 _DISPATCH_TLS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
 
 
+LOWER_RIGHT: dict[str, Callable[[str], nn.Module]] = {}
+"""Backend name -> its ``build(sdpa_backends)``, whose module has ``causal_lower_right``: filled by
+``registry.py`` from its table (the registry imports this file; this file never imports the registry)."""
+
+
 @functools.lru_cache(maxsize=None)
 def _module(backend: str, sdpa_backends: str):
-    from titan_ulysses.ops.attention.registry import get_backend
-
-    return get_backend(backend).build(sdpa_backends)
+    return LOWER_RIGHT[backend](sdpa_backends)
 
 
 def _runs(q_index: list[int]) -> list[tuple[int, int, int]]:

@@ -14,8 +14,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from titan_ulysses.ops.attention import per_document  # noqa: F401  (registers titan_ulysses::attention_per_document)
+from titan_ulysses.ops.attention import per_document  # registers titan_ulysses::attention_per_document
 from titan_ulysses.ops.attention.masks import DENSE_MASK_MAX_ELEMENTS, DocumentMask, cu_seqlens_from_document_ids
+from titan_ulysses.ops.attention.sdpa import SDPAAttention, parse_sdpa_backends
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,6 @@ class Backend:
 
 
 def _sdpa(sdpa_backends: str) -> nn.Module:
-    from titan_ulysses.ops.attention.sdpa import SDPAAttention
-
     return SDPAAttention(sdpa_backends)
 
 
@@ -104,6 +103,8 @@ BACKENDS: dict[str, Backend] = {
     ),
 }
 
+per_document.LOWER_RIGHT.update({name: backend.build for name, backend in BACKENDS.items()})
+
 
 def get_backend(name: str) -> Backend:
     if name not in BACKENDS:
@@ -142,8 +143,6 @@ def save_ops() -> set:
 
 def check_attention_settings(attn_backend: str, sdpa_backends: str, cp: int, device_type: str | None = None) -> None:
     """Refuse what a backend cannot do, in one line naming the alternative (before any process group)."""
-    from titan_ulysses.ops.attention.sdpa import parse_sdpa_backends
-
     backend = get_backend(attn_backend)
     parse_sdpa_backends(sdpa_backends)
     if cp > 1 and not backend.cp:
