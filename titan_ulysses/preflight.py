@@ -45,7 +45,7 @@ from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.metrics.loggers.wandb_logger import login_problem
 from titan_ulysses.layout_checks import Run, run_checks
 from titan_ulysses.ops.attention import check_attention_settings
-from titan_ulysses.run_spec import RunSpec, resolve_run
+from titan_ulysses.run_spec import RunSpec, resolve_run, with_tokenizer
 
 
 def validate(config: JobConfig, world_size: int, spec: RunSpec | None = None) -> ParallelDims:
@@ -90,8 +90,10 @@ def check_files(config: JobConfig, spec: RunSpec | None = None) -> RunSpec:
             raise ConfigError(f"model.{'tokenizer_path' if m.tokenizer_path else 'hf_assets_path'}: {e}") from e
     # the file read whole (a broken tokenizer.json, no EOS, a garbage tiktoken file) and its ids
     # against the model's vocabulary, before any process group (issue 20)
-    if spec is None or spec.tokenizer_object is None:
+    if spec is None:
         spec = resolve_run(config)
+    elif spec.tokenizer_object is None:  # the model resolved already: its tokenizer only
+        spec = with_tokenizer(config, spec)
     tokenizer, args = spec.tokenizer_object, spec.args
     if any(kind == "sft" for _, kind, _ in _datasets(config)):  # the chat template parses (a DataError naming it)
         from titan_ulysses.data.chat import load_chat_template
