@@ -84,3 +84,23 @@ def test_a_step_that_logs_nothing_reads_nothing(tmp_path):
     # log_freq 10 over 4 steps: steps 1 and 4 (the first and the last) log, steps 2 and 3 do not
     argv = BASE + layout(sp=2) + ["--training.steps", "4", "--metrics.log_freq", "10", "--checkpoint.enable", "false"]
     run_distributed(_reads_per_step, 2, argv, str(tmp_path / "run"))
+
+
+def test_the_step_counts_come_up_with_the_microbatches():
+    """Issue 47 item 6: a logging step's counts were copied to the device by the trainer (``counts.to(device)``:
+    a blocking copy from pageable memory, before the optimizer was queued); they travel in the step's
+    ``StepData``, uploaded with its microbatches (``non_blocking`` from pinned memory on CUDA), by the names the
+    step line reads them with."""
+    from titan_ulysses.data.microbatches import COUNTS, StepBatches, StepData
+    from titan_ulysses.trainer import LoggedCounts
+
+    assert LoggedCounts._fields[:len(COUNTS)] == COUNTS
+    rows = {"input": torch.ones(2, 8, dtype=torch.long), "labels": torch.ones(2, 8, dtype=torch.long),
+            "document_ids": torch.tensor([[0] * 6 + [-1] * 2, [1] * 8]), "truncated": torch.tensor([1, 0])}
+    batches = StepBatches(2, 0, 2, 0, 1, torch.device("meta"), packed=True, pad_id=0)
+    step = batches.next(iter([rows, rows]))
+    assert isinstance(step, StepData) and len(step.microbatches) == 2
+    assert step.counts.device.type == "meta" and all(mb.tokens.device.type == "meta" for mb in step.microbatches)
+    host = batches.host(iter([rows, rows]))
+    assert dict(zip(COUNTS, host.counts.tolist())) == {"padding": 4.0, "tokens": 32.0, "truncated": 2.0}
+

@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,22 @@ from titan_ulysses.metrics.system import WaitTimer
 from titan_ulysses.models.build import build_parallel_model
 from titan_ulysses.optim import build_optimizers, follow_config
 from titan_ulysses.preflight import check_device, check_launch
-from titan_ulysses.step import StepGuard, forward_backward, optimizer_step, takes_found_inf
+from titan_ulysses.step import GuardValues, StepGuard, StepLoss, forward_backward, optimizer_step, takes_found_inf
+
+
+class LoggedCounts(NamedTuple):
+    """What a logging step reads with its guard (:meth:`Trainer._log_counts`), in this order."""
+
+    padding: float
+    """Padding tokens of the step's batches (over dp)."""
+    tokens: float
+    """Tokens of the step's batches, padding included (over dp)."""
+    truncated: float
+    """Samples cut to fit training.seq_len (over dp)."""
+    loss_tokens: float
+    """Tokens that carry a loss in the global batch."""
+    expert_load: float | None = None
+    """A mixture of experts: the busiest expert's assignments over the mean (summed over layers); 1 is balanced."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -144,22 +160,22 @@ class Trainer:
         guard one step late, before the next update. Without it the guard is read before the update."""
         pd = self.parallel_dims
         number = self.step + 1
-        microbatches, counts = self.data_wait.next(data_iter)  # the wait for the step's data
-        step = forward_backward(self.model, microbatches, pd.get_mesh("loss"))
+        data = self.data_wait.next(data_iter)  # the wait for the step's data (StepData)
+        step_loss = forward_backward(self.model, data.microbatches, pd.get_mesh("loss"))
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
-        guard = StepGuard(step, grad_norm, self._signalled, number, decide=not self.fake)
+        guard = StepGuard(step_loss, grad_norm, self._signalled, number, decide=not self.fake)
         if self.pending is not None:  # the last step, read now that this one's work is queued
             pending, self.pending = self.pending, None
-            if self._settle(pending, pending.read()[0]):
+            if self._settle(pending, pending.read()):
                 self.lr_scheduler.step()
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         lr = next((x for x in lrs if not math.isfinite(x)), lrs[0])
         if not self.fake and not math.isfinite(lr):  # the host's own number: stop before the update
-            values = guard.read()[0]
-            self._nonfinite_step(StepGuard.objective(values, guard.aux_coef), values[StepGuard.GRAD_NORM], lr)
-        extra = self._log_counts(counts, step) if self.step_log.due(number) else None
+            values = guard.read()
+            self._nonfinite_step(values.objective(guard.aux_coef), values.grad_norm, lr)
+        extra = self._log_counts(data.counts, step_loss) if self.step_log.due(number) else None
         if not self.sync_free:  # the old order: read, decide on the host, then update or not
-            values, read = guard.read(extra)
+            values = guard.read(extra)
             applied = self._settle(guard, values)
             if applied:
                 self.optimizer.step()
@@ -172,11 +188,21 @@ class Trainer:
             if not self._reads_now(number):
                 self.pending = guard.to_host()
                 return {"lr": lr}
-            values, read = guard.read(extra)
+            values = guard.read(extra)
             applied = self._settle(guard, values)
         if applied:
             self.lr_scheduler.step()
-        return self._numbers(guard, values, read, applied, lr)
+        return self._numbers(guard, values, applied, lr)
+
+    def stepped(self, first: bool) -> None:
+        """What follows every step of :meth:`train_step` (the loop here, ``benchmarks/profile_cell.py``): the
+        count, and after the first step the slice checks stop (its slices passed; every later one has their
+        shape) and the collectives take the training timeout (start-up and compilation are over)."""
+        self.step += 1
+        if first:
+            if not self.fake:
+                set_timeouts(self.config.comm.train_timeout_seconds, exclude=(self.checkpointer.group,))
+            stop_slice_checks(self.model)
 
     def _reads_now(self, number: int) -> bool:
         """Whether step ``number``'s guard is read at its end: it logs, saves, validates or is the last,
@@ -186,37 +212,39 @@ class Trainer:
                 or (ck.enable and number % ck.interval == 0)
                 or (self.validator is not None and self.validator.due(number)))
 
-    def _log_counts(self, counts: torch.Tensor, step) -> torch.Tensor:
-        """The step line's token counts (and expert balance), reduced, to be read with the guard."""
+    def _log_counts(self, counts: torch.Tensor, step_loss: StepLoss) -> torch.Tensor:
+        """The step line's counts (:class:`LoggedCounts`' fields in order), reduced over dp on the device, to be
+        read with the guard. ``counts`` came up with the step's microbatches (``data/microbatches.py``)."""
         # every sp rank of a dp group loaded the same rows: count them over dp only
-        counts = dist_sum(counts.to(self.device), self.parallel_dims.get_mesh("dp"))
-        return torch.cat([counts, step.tokens.double()[None]] + ([] if step.expert_counts is None else [
-            step.expert_counts.max()[None] / step.expert_counts.mean().clamp(min=1e-9)]))
+        counts = dist_sum(counts, self.parallel_dims.get_mesh("dp"))
+        experts = step_loss.expert_counts
+        return torch.cat([counts, step_loss.tokens.double()[None]] + ([] if experts is None else [
+            experts.max()[None] / experts.mean().clamp(min=1e-9)]))
 
-    def _numbers(self, guard: StepGuard, values: list[float], read: list[float], applied: bool, lr: float) -> dict:
-        out = {"loss": values[StepGuard.LOSS], "grad_norm": values[StepGuard.GRAD_NORM], "lr": lr}
+    def _numbers(self, guard: StepGuard, values: GuardValues, applied: bool, lr: float) -> dict:
+        out = {"loss": values.loss, "grad_norm": values.grad_norm, "lr": lr}
         if not applied:
             out["skipped"] = True
             return out
         if guard.has_aux:  # a mixture of experts: the objective was loss + aux_coef * aux_loss
-            out["aux_loss"] = values[StepGuard.AUX]
-        if read:
-            pad, total_tokens, truncated, loss_tokens, *load = read
-            if load:  # the busiest expert's assignments over the mean (summed over layers): 1 is balanced
-                out["expert_load_max_over_mean"] = load[0]
-            out.update(loss_tokens=int(loss_tokens), padding=pad / max(total_tokens, 1.0), truncated=int(truncated),
+            out["aux_loss"] = values.aux
+        if values.logged:
+            logged = LoggedCounts(*values.logged)
+            if logged.expert_load is not None:  # the busiest expert's assignments over the mean (summed over layers)
+                out["expert_load_max_over_mean"] = logged.expert_load
+            out.update(loss_tokens=int(logged.loss_tokens), padding=logged.padding / max(logged.tokens, 1.0),
+                       truncated=int(logged.truncated),
                        dropped=self.data.stats.get("dropped", 0))  # samples left out of the dataset (run total)
         return out
 
-    def _settle(self, guard: StepGuard, values: list[float]) -> bool:
+    def _settle(self, guard: StepGuard, values: GuardValues) -> bool:
         """Act on a step's read guard: note a signalled rank (every rank saves and stops after the
         same step: :attr:`preempted`), and count a non-finite step as skipped or stop
         (:meth:`_nonfinite_step`). Returns whether the update was applied (the schedule then advances)."""
-        self.preempted = self.preempted or values[StepGuard.SIGNALLED] > 0
-        if values[StepGuard.NONFINITE] > 0:
+        self.preempted = self.preempted or values.signalled
+        if values.nonfinite:
             lr = self.optimizer.param_groups[0]["lr"]
-            self._nonfinite_step(StepGuard.objective(values, guard.aux_coef), values[StepGuard.GRAD_NORM], lr,
-                                 guard.number)
+            self._nonfinite_step(values.objective(guard.aux_coef), values.grad_norm, lr, guard.number)
             return False
         self.nonfinite_in_a_row = 0
         return True
@@ -263,12 +291,8 @@ class Trainer:
             while self.step < t.steps:
                 out = self.train_step(data_iter)
                 lr = out.pop("lr")
-                self.step += 1
+                self.stepped(first_step)
                 self.step_log.stepped(out.get("loss"))
-                if first_step:
-                    if not self.fake:  # start-up and compilation are over
-                        set_timeouts(self.config.comm.train_timeout_seconds, exclude=(self.checkpointer.group,))
-                    stop_slice_checks(self.model)  # the first step's slices passed; every later one has their shape
                 first_step = False
                 profiler.step(self.step)
                 collector.step(self.step)
