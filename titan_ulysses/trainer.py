@@ -63,21 +63,31 @@ class Trainer:
 
     def __init__(self, config: JobConfig):
         self.config = config
-        t = config.training
-        # checks: everything that can refuse the run, before any process group
+        record_note = self._join(config)
+        self._build_data(config)
+        options = self._build_model(config)
+        self._start_from(config, options)
+        self._build_reporting(config, options, record_note)
+
+    def _join(self, config: JobConfig) -> str | None:
+        """Everything that can refuse the run, before any process group; then this rank joins the job and the mesh,
+        locks the run's folders and seeds. Returns the start record's note for the start-up line."""
         self.parallel_dims, self.spec, record_note = check_launch(config)
         pd = self.parallel_dims
         self.fake = config.comm.mode == "fake"
-        # mesh
         self.device = join_job(config)
         check_device(config, pd, self.device, self.spec.args)
         build_mesh(config, pd, self.device)
         self.rank = dist.get_rank()
         self.locks = lock_run_folders(config, self.rank)
-        if t.deterministic:
+        if config.training.deterministic:
             torch.use_deterministic_algorithms(True)
-        torch.manual_seed(t.seed)
-        # data
+        torch.manual_seed(config.training.seed)
+        return record_note
+
+    def _build_data(self, config: JobConfig) -> None:
+        """The batch sizes, the tokenizer's data and the steps of this rank's microbatches, prepared ahead."""
+        t, pd = config.training, self.parallel_dims
         dp = pd.get_mesh("dp")
         self.global_batch_size = resolved_global_batch_size(config, dp.size())
         self.accumulation_steps = self.global_batch_size // (t.local_batch_size * dp.size())
@@ -91,14 +101,19 @@ class Trainer:
                                    cp.size(), self.device, self.use_doc_mask, self.tokenizer.pad_id)
         # steps prepared ahead by a thread; its state (checkpointed) is the loader's after the steps consumed
         self.dataloader = StepStream(self.data.dataloader, self.batches, t.prefetch_batches)
-        # model
+
+    def _build_model(self, config: JobConfig):
+        """The model laid out on the mesh, and its optimizer and schedule; returns how it was laid out."""
         self.args = self.spec.args
-        self.model, self.compute, options = build_parallel_model(config, self.args, pd, self.device)
+        self.model, self.compute, options = build_parallel_model(config, self.args, self.parallel_dims, self.device)
         self.float8 = options.float8
         self.trainable_params, self.total_params = parameter_counts(self.model)
-        # optimizer
         self.optimizer, self.lr_scheduler = build_optimizers(config, self.model, self.device)
-        # checkpoint, and the weights the run starts from
+        return options
+
+    def _start_from(self, config: JobConfig, options) -> None:
+        """The checkpointer and the weights the run starts from; on a resume, the config wins over the restored
+        optimizer and schedule, and a changed model setting is refused unless checkpoint.override_recorded lists it."""
         self.checkpointer = build_checkpointer(config, self.model, self.optimizer, self.lr_scheduler,
                                                self.dataloader, self.args, options.lora)
         try:  # a checkpoint of other settings is refused before the load (checkpoint/fit.py)
@@ -109,8 +124,8 @@ class Trainer:
             raise
         self.step = self.weights.step
         resumed = ""
-        if self.step > 0:  # the config wins over the restored optimizer and schedule
-            try:  # a changed model setting is refused unless checkpoint.override_recorded lists it
+        if self.step > 0:
+            try:
                 changes = resume_changes(self.checkpointer.loaded_settings, resume_settings(config), overrides(config))
             except ConfigError:
                 self.checkpointer.close()
@@ -119,7 +134,10 @@ class Trainer:
             follow_config(self.optimizer, self.lr_scheduler, config)
             resumed = f"; resumed: {changes}"
         self.resumed = resumed  # what the resume changed, as the start-up line says it
-        # logging and evaluation
+
+    def _build_reporting(self, config: JobConfig, options, record_note: str | None) -> None:
+        """The step guard's state, the loggers, the step line, held-out evaluation and rank 0's start-up line."""
+        t, pd = config.training, self.parallel_dims
         self.nonfinite_in_a_row = 0
         # the skip decision stays on the device (fused AdamW's found_inf); the foreach AdamW (a device
         # that is neither CUDA nor CPU) takes none, and its step is read on the host as with sync_free_step false
@@ -140,7 +158,7 @@ class Trainer:
                                          self.accumulation_steps)
         if self.rank == 0:
             print(startup_line(config, self.spec, self.weights, self.compute, options, pd, params,
-                               self.global_batch_size, self.accumulation_steps, self.device, self.step, resumed,
+                               self.global_batch_size, self.accumulation_steps, self.device, self.step, self.resumed,
                                dist.get_world_size() if self.fake else 0, record_note), flush=True)
             if self.step >= t.steps:
                 print(f"all {t.steps} steps of training.steps are done ({self.weights.describe()}); nothing to "
