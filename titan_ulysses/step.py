@@ -81,7 +81,7 @@ def forward_backward(model: nn.Module, microbatches: list, loss_mesh: DeviceMesh
     total = torch.zeros((), device=n_tokens.device)  # fp32, or the loss's dtype when wider
     aux_total = counts = None
     for mb in microbatches:
-        mask = build_attention_mask(backend, mb.document_ids)  # one per microbatch: every layer reuses it
+        mask = build_attention_mask(backend, mb.document_ids, mb.spans)  # one per microbatch: every layer reuses it
         loss, stats = model(mb.tokens, positions=mb.positions, attention_mask=mask, labels=mb.labels, return_stats=True)
         loss = loss / n_tokens
         objective = loss
