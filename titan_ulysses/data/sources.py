@@ -19,7 +19,7 @@ import glob
 import json
 import os
 
-from titan_ulysses.data.work import DataError, WorkItem, kind_of  # noqa: F401 (kind_of: read from here too)
+from titan_ulysses.data.work import DataError, WorkItem, kind_of
 from titan_ulysses.interop.hf_datasets import read_hf_rows
 
 JSONL_CHUNK_BYTES = 16 * 2**20
