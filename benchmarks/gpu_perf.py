@@ -208,7 +208,7 @@ def trial_main(spec: dict) -> int:
         return {"input": tokens[:, :-1], "labels": tokens[:, 1:], "positions": torch.arange(s)[None],
                 "document_ids": torch.zeros(1, s, dtype=torch.long)}
 
-    def steps(s: int):  # the trainer takes steps: (microbatches on the device, counts)
+    def steps(s: int):  # the trainer takes steps: StepData (microbatches and counts, on the device)
         return iter([t.batches.next(iter([batch(s)]))])
 
     t.train_step(steps(spec["warm_len"]))
@@ -230,7 +230,9 @@ def trial_main(spec: dict) -> int:
     return 0
 
 
-def _trial(ctx, config: str, overrides: list[str], n_layers: int, seq_len: int, warm_len: int) -> dict:
+def run_trial(ctx, config: str, overrides: list[str], n_layers: int, seq_len: int, warm_len: int) -> dict:
+    """One ``--trial`` subprocess (``trial_main``): the first ``n_layers`` of ``config`` at ``seq_len``, after a
+    warm-up at ``warm_len``; its TRIAL line as a dict, ``{"error": ...}`` when it printed none."""
     spec = {"config": config, "overrides": overrides, "n_layers": n_layers, "seq_len": seq_len, "warm_len": warm_len}
     argv = [sys.executable, os.path.join(ROOT, "scripts", "gpu_suite.py"), "--trial", json.dumps(spec)]
     out, why = tagged_json(argv, "TRIAL", ctx.timeout(400))
@@ -258,7 +260,7 @@ def longest(config_name: str, extra: list[str], lengths: tuple[int, int], target
         peaks, steps = {}, {}
         for s in lengths_:
             for layers in (k, 2 * k):
-                r = _trial(ctx, config, overrides, layers, s, warm)
+                r = run_trial(ctx, config, overrides, layers, s, warm)
                 so_far = {f"peak_gib_{key[0] // 1024}K_{key[1]}L": v / 2**30 for key, v in peaks.items()}
                 if "error" in r:
                     return {"status": "fail", "figures": so_far, "detail": f"trial {layers} layer(s) at {s}: {r['error']}"}

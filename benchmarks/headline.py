@@ -8,7 +8,7 @@ import dataclasses
 import os
 
 from benchmarks.gpu_common import CONFIGS
-from benchmarks.gpu_perf import SIM8, SYNTHETIC, _trial, train_cell
+from benchmarks.gpu_perf import SIM8, SYNTHETIC, run_trial, train_cell
 
 
 # ---- the headline step with its memory estimate -----------------------------------------------
@@ -65,7 +65,7 @@ def limits_6m_two_layers(ctx):
         overrides = [*SYNTHETIC, *SIM8]
     overrides += ["--training.global_batch_size", "-1", "--training.local_batch_size", "1", "--compile.enable", "false",
                   "--checkpoint.enable", "false"]
-    r = _trial(ctx, config, overrides, 2, seq, 64 if ctx.dry_run else 8192)
+    r = run_trial(ctx, config, overrides, 2, seq, 64 if ctx.dry_run else 8192)
     if "error" in r:
         return {"status": "fail", "detail": f"trial: {r['error']}"}
     if r.get("oom"):

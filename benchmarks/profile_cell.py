@@ -5,10 +5,9 @@
 
 Builds the ``Trainer`` of ``argv`` in this process (one rank, or a simulated rank with
 ``--comm.mode fake``), runs ``warmup`` steps (compilation, allocator), then profiles ``steps``
-steps of ``Trainer.train_step`` with its own loader, each fetch inside a ``data`` range (steps
-counted and slice checks stopped after the first, as ``Trainer.train`` does; the profiled steps
-are not log steps under ``--metrics.log_freq 10``), and
-prints one line ``PROFILE {json}``: ``benchmarks/profile_summary.py``'s summary. ``trace``
+steps of ``Trainer.train_step`` with its own loader, each fetch inside a ``data`` range and each step
+followed by ``Trainer.stepped``, as ``Trainer.train`` runs them (the profiled steps are not log steps
+under ``--metrics.log_freq 10``), and prints one line ``PROFILE {json}``: ``benchmarks/profile_summary.py``'s summary. ``trace``
 (optional) also writes the Chrome/Perfetto trace. The GPU suite's ``profile_1b_16k`` runs it.
 """
 
@@ -38,7 +37,6 @@ class _Ranged:
 def main(spec: dict) -> int:
     from benchmarks.profile_summary import profile
     from titan_ulysses.config.manager import load_config
-    from titan_ulysses.distributed.ulysses import stop_slice_checks
     from titan_ulysses.trainer import Trainer
 
     config = load_config([*spec["argv"], "--checkpoint.enable", "false"])
@@ -47,10 +45,9 @@ def main(spec: dict) -> int:
     data = _Ranged(iter(trainer.dataloader))
 
     def step():  # what Trainer.train's loop does around a step that is not logged
+        first = trainer.step == 0
         trainer.train_step(data)
-        trainer.step += 1
-        if trainer.step == 1:
-            stop_slice_checks(trainer.model)  # the first step's slices passed, as train() stops them
+        trainer.stepped(first)
 
     for _ in range(spec.get("warmup", 2)):
         step()

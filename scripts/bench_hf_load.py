@@ -34,6 +34,7 @@ sys.path.insert(0, ROOT)
 from titan_ulysses.interop.hf_adapter import expected_hf_shapes  # noqa: E402
 from titan_ulysses.interop.hf_export import hf_config  # noqa: E402
 from titan_ulysses.models.decoder.args import DecoderArgs  # noqa: E402
+from titan_ulysses.models.registry import num_params
 
 GIB = 2**30
 
@@ -133,12 +134,12 @@ def main(argv=None) -> int:
         args = load_hf_args(folder)
         files = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
         on_disk = sum(os.path.getsize(os.path.join(folder, f)) for f in files) / GIB
-        full_fp32 = args.num_params() * 4 / GIB
+        full_fp32 = num_params(args) * 4 / GIB
         mp.spawn(_rank, args=(a.nproc, os.path.join(tmp, "store"), folder, tmp), nprocs=a.nproc)
         rows = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(a.nproc)]
     print(f"device: cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), gloo, "
           f"{a.nproc} ranks, FSDP2 dp_shard={a.nproc}; torch {torch.__version__}")
-    print(f"model: {args.num_params() / 1e6:.0f}M params, {len(files)} safetensors files, {on_disk:.2f} GiB on disk "
+    print(f"model: {num_params(args) / 1e6:.0f}M params, {len(files)} safetensors files, {on_disk:.2f} GiB on disk "
           f"(bf16); {full_fp32:.2f} GiB in fp32")
     print("rank | shard fp32 GiB | RSS before load GiB | peak RSS GiB | growth GiB | load s")
     for r in rows:

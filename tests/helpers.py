@@ -204,3 +204,9 @@ def attention_matches(sp, n_heads, n_kv_heads, seq_len, backend, with_docs, back
     out.backward(local_grad_out)
     for name, local, whole in (("dq", lq, q), ("dk", lk, k), ("dv", lv, v)):
         assert_close(local.grad[:, :n_real], whole.grad[:, sl], name)
+
+
+def trace_events(path: str) -> list[dict]:
+    """The events of a Chrome trace file the profiler wrote (``[profiling]``)."""
+    with open(path) as f:
+        return json.load(f)["traceEvents"]

@@ -238,10 +238,14 @@ def test_flex_block_mask_blocks_match_the_exact_mask(cp, window, monkeypatch):
     assert full.any() and (counts == 0).any()  # the case has blocks of both kinds
 
 
-def test_sdpa_per_document_op_compiles_once_and_differentiates():
+@pytest.mark.parametrize("host_spans", [False, True])
+def test_sdpa_per_document_op_compiles_once_and_differentiates(host_spans):
     """The per-document path is one custom op: a compiled block (fullgraph) does not retrace when the
-    documents change, and its gradients (recomputed inside the backward op) equal eager ones."""
+    documents change, and its gradients (recomputed inside the backward op) equal eager ones; so with the
+    documents' spans read on the host (the trainer's masks: ``SPBatch.spans``), however many there are."""
     import torch._dynamo
+
+    from titan_ulysses.ops.attention.masks import row_spans
 
     torch._dynamo.reset()
     module = build_attention("sdpa")
@@ -254,7 +258,7 @@ def test_sdpa_per_document_op_compiles_once_and_differentiates():
     compiled = torch.compile(lambda q, k, v, m: module(q, k, v, m, window=9), fullgraph=True, backend=count)
     for seed in (0, 1):
         q, k, v, docs = _inputs(96, seed=seed)
-        mask = build_attention_mask("sdpa", docs)
+        mask = build_attention_mask("sdpa", docs, row_spans(docs) if host_spans else None)
         mask.dense = None  # the per-document op, as above DENSE_MASK_MAX_ELEMENTS
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = compiled(*leaves, mask)

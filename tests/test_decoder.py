@@ -81,7 +81,7 @@ def test_feed_forward_is_built_by_the_family_spec():
 
 @pytest.mark.parametrize("mode", ["none", "full", "full_groups", "selective", "compile"])
 def test_feed_forward_statistics_reach_the_loss_with_their_gradient(mode):
-    """Statistics returned through the seam are summed over layers on the model (``router_stats``); a loss
+    """Statistics returned through the seam are summed over layers and returned (``return_stats``); a loss
     term made of them has the gradients of the reference that adds the same terms by hand, and they
     differ from the loss alone."""
     args = small_args(n_layers=3)
@@ -109,9 +109,10 @@ def test_feed_forward_statistics_reach_the_loss_with_their_gradient(mode):
     assert len(losses) == args.n_layers
     (lm + sum(losses)).backward()
 
-    lm_model = cross_entropy_sum(model(tokens), labels) / labels.numel()
-    torch.testing.assert_close(0.05 * model.router_stats, sum(losses).detach(), rtol=1e-6, atol=0)
-    (lm_model + 0.05 * model.router_stats).backward()
+    logits, stats = model(tokens, return_stats=True)
+    lm_model = cross_entropy_sum(logits, labels) / labels.numel()
+    torch.testing.assert_close(0.05 * stats, sum(losses).detach(), rtol=1e-6, atol=0)
+    (lm_model + 0.05 * stats).backward()
     grads = {n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): p.grad
              for n, p in model.named_parameters()}
     for name, p in ref.named_parameters():

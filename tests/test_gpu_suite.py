@@ -34,7 +34,7 @@ DRY = {
 }
 # the short parts' own case functions (their other cases are the long parts' functions, run above).
 # second's cell runs train_cell, which headline and peer_1b_16k run here too; rest's
-# limits_6m_staged_two_layers_1m runs _trial (longest_1b_one_gpu above) and _estimate_gib (headline).
+# limits_6m_staged_two_layers_1m runs run_trial (longest_1b_one_gpu above) and _estimate_gib (headline).
 DRY_SHORT = {
     "first": ["features_multirank", "moe_grouped_mm_bf16", "families_bf16", "peer_1b_16k", "profile_1b_16k", "perf_loss",
               "headline_8b_128k_sim8_compile_bf16_selective"],

@@ -81,8 +81,7 @@ def test_moe_family_matches_transformers(name):
     labels[0, :5] = IGNORE_INDEX
     out = hf(tokens, output_router_logits=True)
     ref_lm = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
-    logits = ours(tokens)
-    stats = ours.router_stats
+    logits, stats = ours(tokens, return_stats=True)
     assert stats.counts.min() > 0  # every expert routed to
     aux = load_balancing_loss(stats)
     assert_close(logits, out.logits, "logits")

@@ -44,8 +44,9 @@ def _matches_one_process(name, layouts=LAYOUTS):
     inputs, labels = make_batch(0, 4, 20, args.vocab_size)
     ref = build_model(args, SDPA)
     ref.load_state_dict(state)
-    lm = cross_entropy_sum(ref(inputs), labels) / (labels != IGNORE_INDEX).sum()
-    ref_loss = lm + coef * load_balancing_loss(ref.router_stats)
+    logits, stats = ref(inputs, return_stats=True)
+    lm = cross_entropy_sum(logits, labels) / (labels != IGNORE_INDEX).sum()
+    ref_loss = lm + coef * load_balancing_loss(stats)
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     for layout_name, layout in layouts.items():
@@ -86,8 +87,9 @@ def _lora_on_attention(name):
     state = {k: v.clone() for k, v in ref.state_dict().items()}
     coef = args.moe.aux_loss_coef
     inputs, labels = make_batch(0, 4, 20, args.vocab_size)
-    lm = cross_entropy_sum(ref(inputs), labels) / (labels != IGNORE_INDEX).sum()
-    (lm + coef * load_balancing_loss(ref.router_stats)).backward()
+    logits, stats = ref(inputs, return_stats=True)
+    lm = cross_entropy_sum(logits, labels) / (labels != IGNORE_INDEX).sum()
+    (lm + coef * load_balancing_loss(stats)).backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     assert ref_grads and all("lora_" in n for n in ref_grads)  # the base (experts, router) is frozen
     pd = ParallelDims(sp=2, ep=2, world_size=dist.get_world_size())
@@ -119,9 +121,10 @@ def _microbatches_and_logged_numbers():
     n = (labels != IGNORE_INDEX).sum()
     lm, aux, counts = 0.0, 0.0, 0.0
     for i, lab in zip(inputs.chunk(2), labels.chunk(2)):  # the step's microbatches, every rank's rows
-        lm = lm + cross_entropy_sum(ref(i), lab) / n
-        aux = aux + load_balancing_loss(ref.router_stats) / 2
-        counts = counts + ref.router_stats.counts.double()
+        logits, stats = ref(i, return_stats=True)
+        lm = lm + cross_entropy_sum(logits, lab) / n
+        aux = aux + load_balancing_loss(stats) / 2
+        counts = counts + stats.counts.double()
     (lm + coef * aux).backward()
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
     pd = ParallelDims(sp=2, ep=2, world_size=dist.get_world_size())
@@ -130,7 +133,7 @@ def _microbatches_and_logged_numbers():
     sp, sp_rank = pd.get_mesh("sp").size(), pd.get_mesh("sp").get_local_rank()
     mbs = [shard_batch(i, lab, sp_rank, sp) for i, lab in zip(inputs.chunk(2), labels.chunk(2))]
     step = forward_backward(model, mbs, pd.get_mesh("loss"))
-    assert model.router_stats is None  # dropped once used: held, it would keep the last forward's graph
+    assert not hasattr(model, "router_stats")  # returned by the forward, never held (it would keep the graph)
     assert_close(step.loss.float(), lm.detach(), "language-model loss")
     assert_close(step.aux.float(), aux.detach(), "aux loss")
     torch.testing.assert_close(step.expert_counts, counts, rtol=0, atol=0)

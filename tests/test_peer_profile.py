@@ -12,6 +12,7 @@ from benchmarks.peer_transformers import build_peer, run_peer
 from benchmarks.profile_summary import part_of, profile
 from titan_ulysses.ops.loss import PROFILE_RANGE, linear_cross_entropy_sum
 from titan_ulysses.config.manager import load_config
+from titan_ulysses.models.registry import num_params
 from titan_ulysses.models.resolve import model_args
 
 DEBUG = ["--config", "train_configs/debug_model.toml"]
@@ -20,7 +21,7 @@ DEBUG = ["--config", "train_configs/debug_model.toml"]
 def test_peer_is_our_shape_as_a_transformers_user_sets_it_up_and_trains():
     model, args = build_peer(DEBUG, torch.device("cpu"), "full", compile_on=True)
     ours = model_args(load_config(DEBUG), 0)
-    assert args == ours and sum(p.numel() for p in model.parameters()) == ours.num_params()
+    assert args == ours and sum(p.numel() for p in model.parameters()) == num_params(ours)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 weights, bf16 autocast in the loop
     assert model.is_gradient_checkpointing and model.config._attn_implementation == "sdpa"
     assert all(layer._compiled_call_impl is not None for layer in model.model.layers)  # layer.compile()

@@ -10,9 +10,10 @@ import weakref
 import pytest
 import torch
 
+from helpers import trace_events
 from titan_ulysses.config.manager import ConfigError, check_config, load_config
 from titan_ulysses.config.profiling import Profiling
-from titan_ulysses.metrics.profiling import StepGC, StepProfiler, check_memory_snapshot, trace_events
+from titan_ulysses.metrics.profiling import StepGC, StepProfiler, check_memory_snapshot
 
 
 def _toy_step():

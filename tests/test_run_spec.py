@@ -177,3 +177,30 @@ def test_the_advice_for_another_lora_rank_works(fx, tmp_path):
     assert export_hf.main(["--checkpoint", fx["lora"], "--output", merged]) == 0
     spec = check_launch(load_config([*base, "--model.hf_assets_path", merged]))[1]
     assert (spec.weights.kind, spec.args, spec.tokenizer) == ("hf", load_hf_args(fx["hf"]), "hf")
+
+
+@pytest.fixture
+def resolutions(monkeypatch):
+    """Every call of ``apply_model_settings`` (the model's resolution), wherever it is made from."""
+    import titan_ulysses.models.resolve as resolve
+    import titan_ulysses.run_spec as run_spec
+
+    calls, apply = [], resolve.apply_model_settings
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return apply(*args, **kwargs)
+
+    monkeypatch.setattr(resolve, "apply_model_settings", counted)
+    monkeypatch.setattr(run_spec, "apply_model_settings", counted)
+    return calls
+
+
+def test_a_dry_run_resolves_the_model_once(resolutions, tmp_path):
+    """Issue 46 item 2: the launch path's checks (validate, check_files with its tokenizer, check_resume, the
+    plan) read one resolved value; check_files resolved the whole run again for the tokenizer."""
+    from titan_ulysses.preflight import plan
+
+    text = plan(load_config(["--job.dump_folder", str(tmp_path), "--training.dataset", "passkey"]), 1)
+    assert "flavor debugmodel" in text
+    assert len(resolutions) == 1

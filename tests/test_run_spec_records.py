@@ -126,3 +126,19 @@ def test_a_resume_refusal_never_advises_an_override_that_is_refused():
     with pytest.raises(ConfigError, match=r"\(lora.rank 4 -> 8\); nothing was loaded: set them back; lora.rank cannot change on resume "
                                           r"\(start a new run from its merged model: titan-export"):
         resume_changes(saved, resume_settings(load_config(["--lora.rank", "8"])))
+
+
+def test_a_start_record_is_resolved_once_and_says_where_each_argument_came_from(tmp_path, monkeypatch):
+    """Issue 46 item 2: the recorded model with the config's settings, once; the config's own model was resolved
+    a second time only to compare its RoPE (a value compared now: ``ResolvedModel.named``)."""
+    import titan_ulysses.run_spec as run_spec
+
+    calls, apply = [], run_spec.apply_model_settings
+    monkeypatch.setattr(run_spec, "apply_model_settings", lambda *a, **k: calls.append(a[0]) or apply(*a, **k))
+    start = _start(tmp_path, {**LLAMA, "rope_theta": 50000.0})
+    spec = _spec(start, "--model.rope_scaling_factor", "2")
+    assert len(calls) == 1 and calls[0].rope_theta == 50000.0
+    model = spec.model
+    assert model.args is spec.args and model.record == start
+    assert model.origin("dim") == f"the record of {start}" and model.origin("rope_theta") == f"the record of {start}"
+    assert model.origin("rope_scaling") == "the config's model settings" and spec.args.rope_scaling.factor == 2.0

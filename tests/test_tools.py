@@ -179,6 +179,7 @@ def test_plan_reads_a_hugging_face_folder(tmp_path, capsys):
     from titan_ulysses.config.manager import load_config
     from titan_ulysses.preflight import validate
     from titan_ulysses.interop.hf_config import load_hf_args
+    from titan_ulysses.models.registry import num_params
 
     folder = str(tmp_path / "qwen3")
     make_hf_model(folder, "qwen3", {})
@@ -190,7 +191,7 @@ def test_plan_reads_a_hugging_face_folder(tmp_path, capsys):
     assert config.model.hf_assets_path == folder and config.model.tokenizer == "hf"
     validate(config, 2)
     args = load_hf_args(folder)
-    assert f"# scripts/plan.py: {args.num_params() / 1e6:,.0f}M params, seq_len 4096, 2 GPUs of 0.1 GiB" in printed
+    assert f"# scripts/plan.py: {num_params(args) / 1e6:,.0f}M params, seq_len 4096, 2 GPUs of 0.1 GiB" in printed
 
 
 def test_plan_runs_the_launchs_pre_flight(tmp_path):

@@ -41,12 +41,11 @@ from titan_ulysses.data.build import check_dataset_files
 from titan_ulysses.data.datasets import check_passkey_fits
 from titan_ulysses.interop.hf_datasets import training_dataset_path
 from titan_ulysses.interop.hf_tokenizer import hf_tokenizer_file
-from titan_ulysses.data.tokenizer import TokenizerError, resolve_tokenizer
 from titan_ulysses.distributed.parallel_dims import ParallelDims
 from titan_ulysses.metrics.loggers.wandb_logger import login_problem
 from titan_ulysses.layout_checks import Run, run_checks
 from titan_ulysses.ops.attention import check_attention_settings
-from titan_ulysses.run_spec import RunSpec, resolve_run
+from titan_ulysses.run_spec import RunSpec, resolve_run, with_tokenizer
 
 
 def validate(config: JobConfig, world_size: int, spec: RunSpec | None = None) -> ParallelDims:
@@ -91,8 +90,10 @@ def check_files(config: JobConfig, spec: RunSpec | None = None) -> RunSpec:
             raise ConfigError(f"model.{'tokenizer_path' if m.tokenizer_path else 'hf_assets_path'}: {e}") from e
     # the file read whole (a broken tokenizer.json, no EOS, a garbage tiktoken file) and its ids
     # against the model's vocabulary, before any process group (issue 20)
-    if spec is None or spec.tokenizer_object is None:
+    if spec is None:
         spec = resolve_run(config)
+    elif spec.tokenizer_object is None:  # the model resolved already: its tokenizer only
+        spec = with_tokenizer(config, spec)
     tokenizer, args = spec.tokenizer_object, spec.args
     if any(kind == "sft" for _, kind, _ in _datasets(config)):  # the chat template parses (a DataError naming it)
         from titan_ulysses.data.chat import load_chat_template
@@ -156,14 +157,6 @@ def check_device(config: JobConfig, dims: ParallelDims, device, args=None) -> No
         warning = memory_warning(config, dims, dist.get_world_size(), total, args)
         if warning:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
-
-
-def load_tokenizer(config: JobConfig):
-    """The run's tokenizer, as the trainer builds it; a file it cannot read is a ConfigError."""
-    try:
-        return resolve_tokenizer(config.model)
-    except TokenizerError as e:
-        raise ConfigError(str(e)) from e
 
 
 def plan(config: JobConfig, world_size: int, device_gib: float | None = None) -> str:

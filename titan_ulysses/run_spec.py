@@ -29,6 +29,7 @@ The rule (docs/run_spec.md), in one place:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -70,6 +71,8 @@ class RunSpec:
     """Each ``checkpoint.override_recorded`` setting that changed a recorded value: ``key recorded -> new``."""
     notes: tuple[str, ...] = ()
     tokenizer_object: object = field(default=None, compare=False, repr=False)
+    model: "ResolvedModel | None" = field(default=None, compare=False, repr=False)
+    """The model resolved once, with where its arguments came from (``args`` is ``model.args``)."""
 
     def tokenizer_line(self) -> str:
         """``tokenizer KIND [FILE] (N ids, model vocab V)``: the start-up line's and the dry run's."""
@@ -95,66 +98,30 @@ def _is_checkpoint(path: str) -> bool:
 
 
 _SCALING = ("rope_scaling_factor", "rope_scaling_type", "rope_original_max_position_embeddings")
+_SHAPES = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden_dim", "vocab_size")
 
 
-def _recorded_changes(recorded: DecoderArgs, config: JobConfig, max_positions: int,
-                      start: str) -> tuple[DecoderArgs, dict[str, tuple]]:
-    """The recorded arguments with the config's model settings applied, and {setting: (recorded, new)} for
-    each one given that changes them (the RoPE scaling keyed by the settings given: type or length alone
-    re-scale at the recorded factor)."""
-    m = config.model
-    args = apply_model_settings(recorded, m, max_positions, f"the record of {start}")
-    out = {}
-    if args.rope_theta != recorded.rope_theta:
-        out["model.rope_theta"] = (recorded.rope_theta, args.rope_theta)
-    if args.rope_scaling != recorded.rope_scaling:
-        given = ",".join(f"model.{f}" for f in _SCALING if getattr(m, f))
-        out[given] = (_rope(recorded.rope_scaling), _rope(args.rope_scaling))
-    if recorded.moe is not None and args.moe.aux_loss_coef != recorded.moe.aux_loss_coef:
-        out["model.router_aux_loss_coef"] = (recorded.moe.aux_loss_coef, args.moe.aux_loss_coef)
-    return args, out
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The model's arguments, resolved once (``models/resolve.apply_model_settings`` called once), with where
+    each came from; every later check compares these values and never resolves again."""
 
+    args: DecoderArgs
+    """The run's model: ``base`` with the config's model settings applied."""
+    base: DecoderArgs
+    """Before the config's settings: the start record's arguments, else the folder's config.json, else the flavor."""
+    base_from: str
+    """The setting ``base`` comes from, for a refusal: ``the record of DIR``, ``model.hf_assets_path``, ``model.flavor 'X'``."""
+    named: DecoderArgs
+    """The model the config names (its folder's, else its flavor's), before its settings; ``base`` without a record."""
+    record: str = ""
+    """The checkpoint whose ``model_args.json`` gave ``base`` ("": none)."""
+    pretrained: bool = False
+    """The record is of a run from a Hugging Face model: its vocabulary is a pretrained one."""
 
-def _rope(scaling) -> str:
-    return f"{scaling.rope_type} x{scaling.factor:g}" if scaling else "none"
-
-
-def _model(config: JobConfig, start: str) -> tuple[DecoderArgs, str, str, bool, tuple, tuple]:
-    """(args, source, record dir, pretrained vocabulary of the record, overrides named, notes)."""
-    m = config.model
-    record = read_model_record(start) if _is_checkpoint(start) else None
-    folder = hf_folder(config, start if record is not None else "")
-    if record is None:
-        if folder:
-            try:
-                args = load_hf_args(folder)
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"model.hf_assets_path: {e}") from e
-            args = apply_model_settings(args, m, read_hf_config(folder).get("max_position_embeddings", 0),
-                                        "model.hf_assets_path")
-            return args, f"{describe(args)} (from {folder}/config.json)", "", False, (), ()
-        try:
-            flavor = get_flavor(m.flavor)
-        except ValueError as e:
-            raise ConfigError(f"model.flavor: {e}") from e
-        args = apply_model_settings(flavor, m, TRAINED_SEQ_LEN.get(m.flavor, 0), source=f"model.flavor {m.flavor!r}")
-        return args, f"flavor {m.flavor}", "", False, (), ()
-    recorded, hf_config = record
-    _same_model(config, folder, recorded, start)
-    # the length the model was trained at: its config.json's, else its flavor's (models/flavors.py)
-    max_positions = (hf_config or {}).get("max_position_embeddings", 0) if hf_config else TRAINED_SEQ_LEN.get(m.flavor, 0)
-    args, changes = _recorded_changes(recorded, config, max_positions, start)
-    named = tuple(f"{k} {old} -> {new} (the config's; {start} recorded {old})" for k, (old, new) in changes.items())
-    own = _named_model(config, folder)  # the config's model alone, its settings applied where they can be
-    try:
-        own = apply_model_settings(own, m, max_positions)
-    except ConfigError:
-        pass
-    notes = tuple(f"{f} {show(getattr(args, f))} from the checkpoint's model_args.json (the config says "
-                  f"{show(getattr(own, f))})" for f, show in (("rope_theta", repr), ("rope_scaling", _rope))
-                  if getattr(args, f) != getattr(own, f))
-    source = f"{describe(args)} (recorded in {start})"
-    return args, source, start, hf_config is not None, named, notes
+    def origin(self, name: str) -> str:
+        """Where argument ``name`` came from: ``base_from``, or the config's model settings when they changed it."""
+        return "the config's model settings" if getattr(self.args, name) != getattr(self.base, name) else self.base_from
 
 
 def _named_model(config: JobConfig, folder: str) -> DecoderArgs:
@@ -165,18 +132,72 @@ def _named_model(config: JobConfig, folder: str) -> DecoderArgs:
         raise ConfigError(f"model.{'hf_assets_path' if folder else 'flavor'}: {e}") from e
 
 
-_SHAPES = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden_dim", "vocab_size")
-
-
-def _same_model(config: JobConfig, folder: str, recorded: DecoderArgs, start: str) -> None:
-    """The model the config names (its folder's, else its flavor's) has the shapes ``start`` records:
-    a ConfigError naming the setting that gives the recorded one otherwise."""
+def resolve_model(config: JobConfig, start: str) -> ResolvedModel:
+    """The model's arguments by the rule above (2 and 3), resolved once; ConfigError naming the setting."""
+    m = config.model
+    record = read_model_record(start) if _is_checkpoint(start) else None
+    folder = hf_folder(config, start if record is not None else "")
     named = _named_model(config, folder)
+    if record is None:
+        source = "model.hf_assets_path" if folder else f"model.flavor {m.flavor!r}"
+        max_positions = (read_hf_config(folder).get("max_position_embeddings", 0) if folder
+                         else TRAINED_SEQ_LEN.get(m.flavor, 0))  # a debug flavor's 512, not llama3's 8192
+        return ResolvedModel(apply_model_settings(named, m, max_positions, source), named, source, named)
+    recorded, hf_config = record
+    _same_model(named, recorded, config, start)
+    # the length the model was trained at: its config.json's, else its flavor's (models/flavors.py)
+    max_positions = (hf_config or {}).get("max_position_embeddings", 0) if hf_config else TRAINED_SEQ_LEN.get(m.flavor, 0)
+    source = f"the record of {start}"
+    return ResolvedModel(apply_model_settings(recorded, m, max_positions, source), recorded, source, named,
+                         record=start, pretrained=hf_config is not None)
+
+
+def _same_model(named: DecoderArgs, recorded: DecoderArgs, config: JobConfig, start: str) -> None:
+    """The model the config names has the shapes ``start`` records: a ConfigError naming the setting that
+    gives the recorded one otherwise."""
     differ = [f for f in _SHAPES if getattr(named, f, None) != getattr(recorded, f, None)]
     if differ:
-        setting = "model.hf_assets_path" if folder else f"model.flavor {config.model.flavor!r}"
+        setting = "model.hf_assets_path" if config.model.hf_assets_path else f"model.flavor {config.model.flavor!r}"
         raise ConfigError(f"checkpoint.initial_load_path: {start} holds another model than {setting} "
                           f"({', '.join(differ)} differ){record_hint(start)}")
+
+
+def _source_line(model: ResolvedModel, config: JobConfig) -> str:
+    """Where the model comes from, for the start-up line."""
+    if model.record:
+        return f"{describe(model.args)} (recorded in {model.record})"
+    folder = config.model.hf_assets_path
+    return f"{describe(model.args)} (from {folder}/config.json)" if folder else f"flavor {config.model.flavor}"
+
+
+def _recorded_changes(model: ResolvedModel, config: JobConfig) -> tuple[str, ...]:
+    """Each model setting given that changes what the start recorded, ``setting recorded -> new`` (the RoPE
+    scaling keyed by the settings given: type or length alone re-scale at the recorded factor)."""
+    m, args, recorded = config.model, model.args, model.base
+    out = {}
+    if args.rope_theta != recorded.rope_theta:
+        out["model.rope_theta"] = (recorded.rope_theta, args.rope_theta)
+    if args.rope_scaling != recorded.rope_scaling:
+        given = ",".join(f"model.{f}" for f in _SCALING if getattr(m, f))
+        out[given] = (_rope(recorded.rope_scaling), _rope(args.rope_scaling))
+    if recorded.moe is not None and args.moe.aux_loss_coef != recorded.moe.aux_loss_coef:
+        out["model.router_aux_loss_coef"] = (recorded.moe.aux_loss_coef, args.moe.aux_loss_coef)
+    return tuple(f"{k} {old} -> {new} (the config's; {model.record} recorded {old})" for k, (old, new) in out.items())
+
+
+def _recorded_notes(model: ResolvedModel, config: JobConfig) -> tuple[str, ...]:
+    """The RoPE the start recorded where the config leaves it to the model and its named model differs:
+    noted (a setting the config gives is an override, named by :func:`_recorded_changes`)."""
+    m = config.model
+    left = (("rope_theta", repr, m.rope_theta <= 0),
+            ("rope_scaling", _rope, m.rope_scaling_factor <= 0 and not any(getattr(m, f) for f in _SCALING)))
+    return tuple(f"{f} {show(getattr(model.args, f))} from the checkpoint's model_args.json (the config says "
+                 f"{show(getattr(model.named, f))})" for f, show, unset in left
+                 if unset and getattr(model.args, f) != getattr(model.named, f))
+
+
+def _rope(scaling) -> str:
+    return f"{scaling.rope_type} x{scaling.factor:g}" if scaling else "none"
 
 
 def merged_advice(checkpoint: str) -> str:
@@ -237,36 +258,43 @@ def check_vocab(args: DecoderArgs, kind: str, vocab: int, pretrained: bool, sour
                           f"the folder's tokenizer.json")
 
 
+def with_tokenizer(config: JobConfig, spec: RunSpec) -> RunSpec:
+    """``spec`` with its tokenizer read and checked against the model it resolved (its ids against the
+    vocabulary; another tokenizer than the record's named): what ``resolve_run`` adds unless told not to, and
+    what ``preflight.check_files`` adds once it has checked the tokenizer's file. ConfigError otherwise."""
+    try:
+        tok = resolve_tokenizer(config.model)
+    except TokenizerError as e:
+        raise ConfigError(str(e)) from e
+    model = spec.model
+    pretrained = model.pretrained or spec.weights.kind == "hf"  # an architecture alone (random init) has no vocabulary yet
+    check_vocab(spec.args, spec.tokenizer, tok.vocab_size, pretrained, model.base_from)
+    changed = _tokenizer_change(spec.record, spec.tokenizer, spec.tokenizer_path, tok) if spec.record else ()
+    return dataclasses.replace(spec, tokenizer_vocab=tok.vocab_size, tokenizer_object=tok,
+                               overrides=spec.overrides + changed)
+
+
 def resolve_run(config: JobConfig, start: str | None = None, tokenizer: bool = True) -> RunSpec:
     """The run's spec, by the rule above. ``start``: the checkpoint whose record counts (default
     ``checkpoint.initial_load_path``; a tool passes the checkpoint it evaluates or exports);
-    ``tokenizer`` False leaves the tokenizer unread (tools run where its file is absent). Sets
-    ``config.model.hf_assets_path`` and ``model.tokenizer`` to what it resolved. ConfigError otherwise."""
+    ``tokenizer`` False leaves the tokenizer unread (tools run where its file is absent; :func:`with_tokenizer`
+    adds it later). Sets ``config.model.hf_assets_path`` and ``model.tokenizer`` to what it resolved.
+    ConfigError otherwise."""
     of_run = start is None  # the run's own start checkpoint, not one a tool reads
     start = config.checkpoint.initial_load_path if start is None else start
     override_list(config)  # a name that is not a recorded setting is refused, record or not
-    args, source, record, pretrained, named, notes = _model(config, start)
+    model = resolve_model(config, start)
+    named = _recorded_changes(model, config) if model.record else ()
+    notes = _recorded_notes(model, config) if model.record else ()
     if of_run:
         named += _lora_changes(config, start)
-    m = config.model
+    m, t = config.model, config.training
     kind, path, _ = tokenizer_source(m)
-    weights = fresh_source(config)
-    pretrained = pretrained or weights.kind == "hf"  # an architecture alone (random init) has no vocabulary yet
-    tok, vocab = None, 0
+    spec = RunSpec(args=model.args, source=_source_line(model, config), hf_folder=m.hf_assets_path,
+                   record=model.record, tokenizer=kind, tokenizer_path=path, tokenizer_vocab=0,
+                   weights=fresh_source(config), seq_len=t.seq_len, dataset=t.dataset, dataset_path=t.dataset_path,
+                   overrides=named, notes=notes, model=model)
     if tokenizer:
-        try:
-            tok = resolve_tokenizer(m)
-        except TokenizerError as e:
-            raise ConfigError(str(e)) from e
-        vocab = tok.vocab_size
-        where = (f"the record of {record}" if record else "model.hf_assets_path" if m.hf_assets_path
-                 else f"model.flavor {m.flavor!r}")
-        check_vocab(args, kind, vocab, pretrained, where)
-        if record:
-            named += _tokenizer_change(record, kind, path, tok)
+        spec = with_tokenizer(config, spec)
     m.tokenizer = kind
-    t = config.training
-    return RunSpec(args=args, source=source, hf_folder=m.hf_assets_path, record=record, tokenizer=kind,
-                   tokenizer_path=path, tokenizer_vocab=vocab, weights=weights, seq_len=t.seq_len,
-                   dataset=t.dataset, dataset_path=t.dataset_path, overrides=named, notes=notes,
-                   tokenizer_object=tok)
+    return spec

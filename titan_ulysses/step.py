@@ -81,9 +81,9 @@ def forward_backward(model: nn.Module, microbatches: list, loss_mesh: DeviceMesh
     total = torch.zeros((), device=n_tokens.device)  # fp32, or the loss's dtype when wider
     aux_total = counts = None
     for mb in microbatches:
-        mask = build_attention_mask(backend, mb.document_ids)  # one per microbatch: every layer reuses it
-        loss = model(mb.tokens, positions=mb.positions, attention_mask=mask, labels=mb.labels) / n_tokens
-        stats, model.router_stats = getattr(model, "router_stats", None), None  # held, it would keep the graph
+        mask = build_attention_mask(backend, mb.document_ids, mb.spans)  # one per microbatch: every layer reuses it
+        loss, stats = model(mb.tokens, positions=mb.positions, attention_mask=mask, labels=mb.labels, return_stats=True)
+        loss = loss / n_tokens
         objective = loss
         if moe is not None and stats is not None:
             aux, mb_counts = router_aux_share(stats, loss_mesh)
@@ -103,6 +103,27 @@ def forward_backward(model: nn.Module, microbatches: list, loss_mesh: DeviceMesh
 
 
 
+class GuardValues(NamedTuple):
+    """A step's guard as read on the host (:meth:`StepGuard.read`)."""
+
+    loss: float
+    """The global mean language-model loss."""
+    aux: float
+    """The load-balancing loss of a mixture of experts (0 for a dense model)."""
+    grad_norm: float
+    """The gradient norm (before clipping)."""
+    nonfinite: bool
+    """Some rank's objective or gradient norm was NaN/inf: the update was (or is to be) skipped."""
+    signalled: bool
+    """Some rank was signalled (SIGTERM/SIGUSR1): every rank saves this step and stops."""
+    logged: tuple[float, ...] = ()
+    """The ``extra`` values read in the same transfer (a logging step's counts), in their order."""
+
+    def objective(self, aux_coef: float) -> float:
+        """What the step minimised: ``loss + aux_coef * aux``."""
+        return self.loss + (aux_coef * self.aux if aux_coef else 0.0)
+
+
 class StepGuard:
     """Whether one step's update may reach the weights, decided on the device; read on the host later.
 
@@ -113,8 +134,6 @@ class StepGuard:
     weights, moments and its step count untouched without the host looking. The host reads
     :meth:`read` -- at once on a step that logs or saves, else one step late, when the device has long
     finished it (CUDA: a non-blocking copy to pinned memory and an event)."""
-
-    LOSS, AUX, GRAD_NORM, NONFINITE, SIGNALLED = range(5)
 
     def __init__(self, step: StepLoss, grad_norm: torch.Tensor, signalled: bool, number: int, decide: bool = True):
         device = step.loss.device
@@ -128,7 +147,7 @@ class StepGuard:
         self.number = number
         """The step (1-based) these values belong to."""
         self.found_inf = flags[0] if decide else None
-        self.values = torch.stack([loss, aux, norm, flags[0], flags[1]])  # [5] fp32
+        self.values = torch.stack([loss, aux, norm, flags[0], flags[1]])  # [5] fp32: GuardValues' fields in order
         self.aux_coef, self.has_aux = step.aux_coef, step.aux is not None
         self._host = self._event = None
 
@@ -141,20 +160,19 @@ class StepGuard:
             self._event.record()
         return self
 
-    def read(self, extra: torch.Tensor | None = None) -> tuple[list[float], list[float]]:
-        """The values as floats (and ``extra``'s, read in the same transfer): waits for the device
-        unless :meth:`to_host` ran a step earlier."""
+    def read(self, extra: torch.Tensor | None = None) -> GuardValues:
+        """The values on the host (and ``extra``'s, read in the same transfer: :attr:`GuardValues.logged`):
+        waits for the device unless :meth:`to_host` ran a step earlier."""
         if extra is not None:
             both = torch.cat([self.values.double(), extra.to(self.values.device).double().flatten()]).tolist()
-            return both[:5], both[5:]
-        if self._host is not None:
+            values, logged = both[:5], tuple(both[5:])
+        elif self._host is not None:
             self._event.synchronize()
-            return self._host.tolist(), []
-        return self.values.tolist(), []
-
-    @staticmethod
-    def objective(values: list[float], aux_coef: float) -> float:
-        return values[StepGuard.LOSS] + (aux_coef * values[StepGuard.AUX] if aux_coef else 0.0)
+            values, logged = self._host.tolist(), ()
+        else:
+            values, logged = self.values.tolist(), ()
+        loss, aux, grad_norm, nonfinite, signalled = values
+        return GuardValues(loss, aux, grad_norm, nonfinite > 0, signalled > 0, logged)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> None:

@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,22 @@ from titan_ulysses.metrics.system import WaitTimer
 from titan_ulysses.models.build import build_parallel_model
 from titan_ulysses.optim import build_optimizers, follow_config
 from titan_ulysses.preflight import check_device, check_launch
-from titan_ulysses.step import StepGuard, forward_backward, optimizer_step, takes_found_inf
+from titan_ulysses.step import GuardValues, StepGuard, StepLoss, forward_backward, optimizer_step, takes_found_inf
+
+
+class LoggedCounts(NamedTuple):
+    """What a logging step reads with its guard (:meth:`Trainer._log_counts`), in this order."""
+
+    padding: float
+    """Padding tokens of the step's batches (over dp)."""
+    tokens: float
+    """Tokens of the step's batches, padding included (over dp)."""
+    truncated: float
+    """Samples cut to fit training.seq_len (over dp)."""
+    loss_tokens: float
+    """Tokens that carry a loss in the global batch."""
+    expert_load: float | None = None
+    """A mixture of experts: the busiest expert's assignments over the mean (summed over layers); 1 is balanced."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -47,21 +63,31 @@ class Trainer:
 
     def __init__(self, config: JobConfig):
         self.config = config
-        t = config.training
-        # checks: everything that can refuse the run, before any process group
+        record_note = self._join(config)
+        self._build_data(config)
+        options = self._build_model(config)
+        self._start_from(config, options)
+        self._build_reporting(config, options, record_note)
+
+    def _join(self, config: JobConfig) -> str | None:
+        """Everything that can refuse the run, before any process group; then this rank joins the job and the mesh,
+        locks the run's folders and seeds. Returns the start record's note for the start-up line."""
         self.parallel_dims, self.spec, record_note = check_launch(config)
         pd = self.parallel_dims
         self.fake = config.comm.mode == "fake"
-        # mesh
         self.device = join_job(config)
         check_device(config, pd, self.device, self.spec.args)
         build_mesh(config, pd, self.device)
         self.rank = dist.get_rank()
         self.locks = lock_run_folders(config, self.rank)
-        if t.deterministic:
+        if config.training.deterministic:
             torch.use_deterministic_algorithms(True)
-        torch.manual_seed(t.seed)
-        # data
+        torch.manual_seed(config.training.seed)
+        return record_note
+
+    def _build_data(self, config: JobConfig) -> None:
+        """The batch sizes, the tokenizer's data and the steps of this rank's microbatches, prepared ahead."""
+        t, pd = config.training, self.parallel_dims
         dp = pd.get_mesh("dp")
         self.global_batch_size = resolved_global_batch_size(config, dp.size())
         self.accumulation_steps = self.global_batch_size // (t.local_batch_size * dp.size())
@@ -75,14 +101,19 @@ class Trainer:
                                    cp.size(), self.device, self.use_doc_mask, self.tokenizer.pad_id)
         # steps prepared ahead by a thread; its state (checkpointed) is the loader's after the steps consumed
         self.dataloader = StepStream(self.data.dataloader, self.batches, t.prefetch_batches)
-        # model
+
+    def _build_model(self, config: JobConfig):
+        """The model laid out on the mesh, and its optimizer and schedule; returns how it was laid out."""
         self.args = self.spec.args
-        self.model, self.compute, options = build_parallel_model(config, self.args, pd, self.device)
+        self.model, self.compute, options = build_parallel_model(config, self.args, self.parallel_dims, self.device)
         self.float8 = options.float8
         self.trainable_params, self.total_params = parameter_counts(self.model)
-        # optimizer
         self.optimizer, self.lr_scheduler = build_optimizers(config, self.model, self.device)
-        # checkpoint, and the weights the run starts from
+        return options
+
+    def _start_from(self, config: JobConfig, options) -> None:
+        """The checkpointer and the weights the run starts from; on a resume, the config wins over the restored
+        optimizer and schedule, and a changed model setting is refused unless checkpoint.override_recorded lists it."""
         self.checkpointer = build_checkpointer(config, self.model, self.optimizer, self.lr_scheduler,
                                                self.dataloader, self.args, options.lora)
         try:  # a checkpoint of other settings is refused before the load (checkpoint/fit.py)
@@ -93,8 +124,8 @@ class Trainer:
             raise
         self.step = self.weights.step
         resumed = ""
-        if self.step > 0:  # the config wins over the restored optimizer and schedule
-            try:  # a changed model setting is refused unless checkpoint.override_recorded lists it
+        if self.step > 0:
+            try:
                 changes = resume_changes(self.checkpointer.loaded_settings, resume_settings(config), overrides(config))
             except ConfigError:
                 self.checkpointer.close()
@@ -103,7 +134,10 @@ class Trainer:
             follow_config(self.optimizer, self.lr_scheduler, config)
             resumed = f"; resumed: {changes}"
         self.resumed = resumed  # what the resume changed, as the start-up line says it
-        # logging and evaluation
+
+    def _build_reporting(self, config: JobConfig, options, record_note: str | None) -> None:
+        """The step guard's state, the loggers, the step line, held-out evaluation and rank 0's start-up line."""
+        t, pd = config.training, self.parallel_dims
         self.nonfinite_in_a_row = 0
         # the skip decision stays on the device (fused AdamW's found_inf); the foreach AdamW (a device
         # that is neither CUDA nor CPU) takes none, and its step is read on the host as with sync_free_step false
@@ -124,7 +158,7 @@ class Trainer:
                                          self.accumulation_steps)
         if self.rank == 0:
             print(startup_line(config, self.spec, self.weights, self.compute, options, pd, params,
-                               self.global_batch_size, self.accumulation_steps, self.device, self.step, resumed,
+                               self.global_batch_size, self.accumulation_steps, self.device, self.step, self.resumed,
                                dist.get_world_size() if self.fake else 0, record_note), flush=True)
             if self.step >= t.steps:
                 print(f"all {t.steps} steps of training.steps are done ({self.weights.describe()}); nothing to "
@@ -144,22 +178,22 @@ class Trainer:
         guard one step late, before the next update. Without it the guard is read before the update."""
         pd = self.parallel_dims
         number = self.step + 1
-        microbatches, counts = self.data_wait.next(data_iter)  # the wait for the step's data
-        step = forward_backward(self.model, microbatches, pd.get_mesh("loss"))
+        data = self.data_wait.next(data_iter)  # the wait for the step's data (StepData)
+        step_loss = forward_backward(self.model, data.microbatches, pd.get_mesh("loss"))
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
-        guard = StepGuard(step, grad_norm, self._signalled, number, decide=not self.fake)
+        guard = StepGuard(step_loss, grad_norm, self._signalled, number, decide=not self.fake)
         if self.pending is not None:  # the last step, read now that this one's work is queued
             pending, self.pending = self.pending, None
-            if self._settle(pending, pending.read()[0]):
+            if self._settle(pending, pending.read()):
                 self.lr_scheduler.step()
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         lr = next((x for x in lrs if not math.isfinite(x)), lrs[0])
         if not self.fake and not math.isfinite(lr):  # the host's own number: stop before the update
-            values = guard.read()[0]
-            self._nonfinite_step(StepGuard.objective(values, guard.aux_coef), values[StepGuard.GRAD_NORM], lr)
-        extra = self._log_counts(counts, step) if self.step_log.due(number) else None
+            values = guard.read()
+            self._nonfinite_step(values.objective(guard.aux_coef), values.grad_norm, lr)
+        extra = self._log_counts(data.counts, step_loss) if self.step_log.due(number) else None
         if not self.sync_free:  # the old order: read, decide on the host, then update or not
-            values, read = guard.read(extra)
+            values = guard.read(extra)
             applied = self._settle(guard, values)
             if applied:
                 self.optimizer.step()
@@ -172,11 +206,21 @@ class Trainer:
             if not self._reads_now(number):
                 self.pending = guard.to_host()
                 return {"lr": lr}
-            values, read = guard.read(extra)
+            values = guard.read(extra)
             applied = self._settle(guard, values)
         if applied:
             self.lr_scheduler.step()
-        return self._numbers(guard, values, read, applied, lr)
+        return self._numbers(guard, values, applied, lr)
+
+    def stepped(self, first: bool) -> None:
+        """What follows every step of :meth:`train_step` (the loop here, ``benchmarks/profile_cell.py``): the
+        count, and after the first step the slice checks stop (its slices passed; every later one has their
+        shape) and the collectives take the training timeout (start-up and compilation are over)."""
+        self.step += 1
+        if first:
+            if not self.fake:
+                set_timeouts(self.config.comm.train_timeout_seconds, exclude=(self.checkpointer.group,))
+            stop_slice_checks(self.model)
 
     def _reads_now(self, number: int) -> bool:
         """Whether step ``number``'s guard is read at its end: it logs, saves, validates or is the last,
@@ -186,37 +230,39 @@ class Trainer:
                 or (ck.enable and number % ck.interval == 0)
                 or (self.validator is not None and self.validator.due(number)))
 
-    def _log_counts(self, counts: torch.Tensor, step) -> torch.Tensor:
-        """The step line's token counts (and expert balance), reduced, to be read with the guard."""
+    def _log_counts(self, counts: torch.Tensor, step_loss: StepLoss) -> torch.Tensor:
+        """The step line's counts (:class:`LoggedCounts`' fields in order), reduced over dp on the device, to be
+        read with the guard. ``counts`` came up with the step's microbatches (``data/microbatches.py``)."""
         # every sp rank of a dp group loaded the same rows: count them over dp only
-        counts = dist_sum(counts.to(self.device), self.parallel_dims.get_mesh("dp"))
-        return torch.cat([counts, step.tokens.double()[None]] + ([] if step.expert_counts is None else [
-            step.expert_counts.max()[None] / step.expert_counts.mean().clamp(min=1e-9)]))
+        counts = dist_sum(counts, self.parallel_dims.get_mesh("dp"))
+        experts = step_loss.expert_counts
+        return torch.cat([counts, step_loss.tokens.double()[None]] + ([] if experts is None else [
+            experts.max()[None] / experts.mean().clamp(min=1e-9)]))
 
-    def _numbers(self, guard: StepGuard, values: list[float], read: list[float], applied: bool, lr: float) -> dict:
-        out = {"loss": values[StepGuard.LOSS], "grad_norm": values[StepGuard.GRAD_NORM], "lr": lr}
+    def _numbers(self, guard: StepGuard, values: GuardValues, applied: bool, lr: float) -> dict:
+        out = {"loss": values.loss, "grad_norm": values.grad_norm, "lr": lr}
         if not applied:
             out["skipped"] = True
             return out
         if guard.has_aux:  # a mixture of experts: the objective was loss + aux_coef * aux_loss
-            out["aux_loss"] = values[StepGuard.AUX]
-        if read:
-            pad, total_tokens, truncated, loss_tokens, *load = read
-            if load:  # the busiest expert's assignments over the mean (summed over layers): 1 is balanced
-                out["expert_load_max_over_mean"] = load[0]
-            out.update(loss_tokens=int(loss_tokens), padding=pad / max(total_tokens, 1.0), truncated=int(truncated),
+            out["aux_loss"] = values.aux
+        if values.logged:
+            logged = LoggedCounts(*values.logged)
+            if logged.expert_load is not None:  # the busiest expert's assignments over the mean (summed over layers)
+                out["expert_load_max_over_mean"] = logged.expert_load
+            out.update(loss_tokens=int(logged.loss_tokens), padding=logged.padding / max(logged.tokens, 1.0),
+                       truncated=int(logged.truncated),
                        dropped=self.data.stats.get("dropped", 0))  # samples left out of the dataset (run total)
         return out
 
-    def _settle(self, guard: StepGuard, values: list[float]) -> bool:
+    def _settle(self, guard: StepGuard, values: GuardValues) -> bool:
         """Act on a step's read guard: note a signalled rank (every rank saves and stops after the
         same step: :attr:`preempted`), and count a non-finite step as skipped or stop
         (:meth:`_nonfinite_step`). Returns whether the update was applied (the schedule then advances)."""
-        self.preempted = self.preempted or values[StepGuard.SIGNALLED] > 0
-        if values[StepGuard.NONFINITE] > 0:
+        self.preempted = self.preempted or values.signalled
+        if values.nonfinite:
             lr = self.optimizer.param_groups[0]["lr"]
-            self._nonfinite_step(StepGuard.objective(values, guard.aux_coef), values[StepGuard.GRAD_NORM], lr,
-                                 guard.number)
+            self._nonfinite_step(values.objective(guard.aux_coef), values.grad_norm, lr, guard.number)
             return False
         self.nonfinite_in_a_row = 0
         return True
@@ -263,12 +309,8 @@ class Trainer:
             while self.step < t.steps:
                 out = self.train_step(data_iter)
                 lr = out.pop("lr")
-                self.step += 1
+                self.stepped(first_step)
                 self.step_log.stepped(out.get("loss"))
-                if first_step:
-                    if not self.fake:  # start-up and compilation are over
-                        set_timeouts(self.config.comm.train_timeout_seconds, exclude=(self.checkpointer.group,))
-                    stop_slice_checks(self.model)  # the first step's slices passed; every later one has their shape
                 first_step = False
                 profiler.step(self.step)
                 collector.step(self.step)

@@ -101,8 +101,3 @@ def resume_changes(saved: dict | None, current: dict, override: tuple[str, ...] 
     if [k for k in changed if k in LAYOUT_SETTINGS]:
         parts.append("the layout changes " + named(k for k in changed if k in LAYOUT_SETTINGS))
     return "; ".join(parts) if parts else "settings as in the checkpoint"
-
-
-def settings_changes(saved: dict | None, current: dict) -> str:
-    """``resume_changes`` without overrides (kept for its callers)."""
-    return resume_changes(saved, current)

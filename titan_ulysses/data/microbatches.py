@@ -3,15 +3,32 @@ over sp (and cp) on the host, then this rank's slice copied onto the device (``s
 
 The host part (:meth:`StepBatches.host`) may run in a prefetch thread (``prefetch.py``); the
 upload (:meth:`StepBatches.upload`) runs on the training thread, ``non_blocking`` from pinned
-memory on CUDA. The counts (padding tokens, tokens, truncated samples) stay a host tensor that
-nothing reads here: the trainer reduces and reads them on logging steps only.
+memory on CUDA. A step travels as one :class:`StepData`: the microbatches and their counts (padding
+tokens, tokens, truncated samples), uploaded with them so that a logging step finds them on the device
+(a blocking copy there would wait for the queued work); nothing reads them here: the trainer reduces
+and reads them on logging steps only.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from titan_ulysses.data.sharding import SPBatch, shard_host_batch, to_device
+
+
+COUNTS = ("padding", "tokens", "truncated")
+"""What :attr:`StepData.counts` holds, in order: padding tokens, tokens and truncated samples of the step's batches."""
+
+
+class StepData(NamedTuple):
+    """One step's data as this rank trains on it."""
+
+    microbatches: list[SPBatch]
+    """This rank's slices of the step's loader batches (``data/sharding.py``), in order."""
+    counts: torch.Tensor
+    """``[3]`` fp64, :data:`COUNTS` summed over the step's loader batches (this rank's dp group's rows)."""
 
 
 class StepBatches:
@@ -25,10 +42,9 @@ class StepBatches:
         # page-locked host copies make the upload an asynchronous DMA; only with a CUDA device
         self.pin = torch.device(device).type == "cuda" and torch.cuda.is_available()
 
-    def host(self, data_iter) -> tuple[list[SPBatch], torch.Tensor]:
-        """(this step's microbatches, sliced for this rank on the host, their counts ``[padding tokens,
-        tokens, truncated samples]`` in fp64)."""
-        counts = torch.zeros(3, dtype=torch.float64)
+    def host(self, data_iter) -> StepData:
+        """This step's microbatches, sliced for this rank on the host, and their counts (pinned on CUDA)."""
+        counts = torch.zeros(len(COUNTS), dtype=torch.float64)
         microbatches = []
         for _ in range(self.per_step):
             batch = next(data_iter)
@@ -37,13 +53,13 @@ class StepBatches:
                                    truncated]).double()
             microbatches.append(shard_host_batch(batch, self.sp_rank, self.sp, self.packed, self.pad_id,
                                                  self.cp_rank, self.cp, pin=self.pin))
-        return microbatches, counts
+        return StepData(microbatches, counts.pin_memory() if self.pin else counts)
 
-    def upload(self, step: tuple[list[SPBatch], torch.Tensor]) -> tuple[list[SPBatch], torch.Tensor]:
-        """A step from :meth:`host` with its microbatches on the device (the counts stay on the host)."""
-        microbatches, counts = step
-        return [to_device(b, self.device, non_blocking=self.pin) for b in microbatches], counts
+    def upload(self, step: StepData) -> StepData:
+        """A step from :meth:`host` on the device, microbatches and counts (``non_blocking`` from pinned memory)."""
+        return StepData([to_device(b, self.device, non_blocking=self.pin) for b in step.microbatches],
+                        step.counts.to(self.device, non_blocking=self.pin))
 
-    def next(self, data_iter) -> tuple[list[SPBatch], torch.Tensor]:
-        """This step's microbatches on the device, and their counts (synchronous: :meth:`host` then :meth:`upload`)."""
+    def next(self, data_iter) -> StepData:
+        """This step on the device (synchronous: :meth:`host` then :meth:`upload`)."""
         return self.upload(self.host(data_iter))

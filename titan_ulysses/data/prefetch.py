@@ -1,6 +1,6 @@
 """The run's steps of data, prepared ``ahead`` steps in advance by a background thread.
 
-``iter(StepStream)`` yields one step at a time: ``(microbatches on the device, counts)``
+``iter(StepStream)`` yields one step at a time: a ``StepData`` (microbatches and counts, on the device)
 (``microbatches.py``). With ``ahead > 0`` a thread reads the loader, slices each batch for this
 rank and pins it (on CUDA) while the device trains; the training thread only waits on a queue
 and issues the ``non_blocking`` uploads. At most ``ahead`` steps are read and not yet consumed.

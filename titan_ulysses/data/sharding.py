@@ -18,11 +18,13 @@ in the padded sequence.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from titan_ulysses.ops.attention.masks import row_spans
 from titan_ulysses.ops.loss import IGNORE_INDEX
 
 
@@ -93,6 +95,10 @@ class SPBatch:
     """[B, S_pad] document ids of the full (padded) sequence, -1 on padding; None: one document."""
     index: torch.Tensor | None = None
     """[S_pad/P] where this rank's tokens sit in the padded sequence (with cp: load-balanced order)."""
+    spans: list[list[tuple[int, int]]] | None = None
+    """Per row, the ``(start, end)`` of each document of ``document_ids`` (``ops/attention/masks.row_spans``), read
+    on the host where the loader's batch is (:func:`shard_host_batch`), so that no mask reads the device; stays on
+    the host. None: not read (one document, or a batch sharded elsewhere)."""
 
 
 def shard_batch(
@@ -153,6 +159,8 @@ def shard_host_batch(batch: dict, sp_rank: int, sp: int, packed: bool, pad_token
     b = shard_batch(batch["input"], batch["labels"], sp_rank, sp, positions=batch.get("positions"),
                     document_ids=batch["document_ids"] if packed else None, pad_token=pad_token,
                     cp_rank=cp_rank, cp=cp)
+    if b.document_ids is not None:  # host ids: their spans cost no read of the device
+        b = dataclasses.replace(b, spans=row_spans(b.document_ids))
     return _each(b, lambda x: torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)) if pin else b
 
 
@@ -163,7 +171,7 @@ def to_device(b: SPBatch, device, non_blocking: bool = False) -> SPBatch:
 
 def _each(b: SPBatch, fn) -> SPBatch:
     return SPBatch(*(None if x is None else fn(x) for x in (b.tokens, b.labels, b.positions, b.document_ids,
-                                                               b.index)))
+                                                               b.index)), spans=b.spans)
 
 
 def shard_loader_batch(batch: dict, sp_rank: int, sp: int, device, packed: bool, pad_token: int = 0,

@@ -18,22 +18,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass
+
+from titan_ulysses.data.work import DataError, WorkItem, kind_of
+from titan_ulysses.interop.hf_datasets import read_hf_rows
 
 JSONL_CHUNK_BYTES = 16 * 2**20
 EXTENSIONS = ("txt", "jsonl", "parquet")
-
-
-class DataError(ValueError):
-    """The data (not the code) is wrong: one line naming the file and what to fix."""
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    path: str
-    kind: str  # "txt", "jsonl", "parquet" or "hf" (path: an hf: dataset path)
-    start: int = 0  # jsonl: byte range [start, end); parquet: row group index; hf: row range
-    end: int = 0
 
 
 def list_files(path: str, key: str = "training.dataset_path") -> list[str]:
@@ -86,8 +76,6 @@ def _line_number(path: str, offset: int) -> int:
 def read_rows(item: WorkItem):
     """Yield ``(where, row)`` for the rows of ``item``: ``row`` is a dict (jsonl/parquet/hf) or a str (txt)."""
     if item.kind == "hf":  # a `datasets` split's row range (hf_datasets.py)
-        from titan_ulysses.interop.hf_datasets import read_hf_rows
-
         yield from read_hf_rows(item)
         return
     if item.kind == "txt":
@@ -156,8 +144,3 @@ def text_field(where, row, field: str = "text") -> str:
         raise DataError(f"{where}: field {field!r} is {found}; every row needs a string {field!r} "
                         f"(fields found: {sorted(row)}){hint}")
     return value
-
-
-def kind_of(value) -> str:
-    """How a row's value is named in a refusal: JSON's ``null``, else the Python type (``a list``)."""
-    return "null" if value is None else f"a {type(value).__name__}"

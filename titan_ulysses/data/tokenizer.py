@@ -10,24 +10,16 @@ store: two spellings of one file share a store, a changed file at the same path 
 
 from __future__ import annotations
 
-import hashlib
 import os
 
+from titan_ulysses.data.digest import file_digest
 from titan_ulysses.data.sources import DataError
+from titan_ulysses.interop.hf_tokenizer import HFTokenizer
 from titan_ulysses.models.flavors import BYTE_VOCAB_SIZE
 
 
 class TokenizerError(DataError):
     """The tokenizer file (or the setting naming it) is wrong: one line naming the setting."""
-
-
-def file_digest(path: str) -> str:
-    """sha256 of a file's content (tokenizer files are a few MB: read whole, once per run)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class ByteTokenizer:
@@ -148,7 +140,5 @@ def build_tokenizer(kind: str, path: str = ""):
     if kind == "tiktoken":
         return TiktokenTokenizer(path)
     if kind == "hf":  # path: a tokenizer.json or its folder
-        from titan_ulysses.interop.hf_tokenizer import HFTokenizer
-
         return HFTokenizer(path)
     raise ValueError(f"model.tokenizer {kind!r} is not one of ['byte', 'tiktoken', 'hf']")

@@ -160,13 +160,23 @@ class ContextParallelAttention(nn.Module):
                     q[:, i * chunk:(i + 1) * chunk], k[:, ks:end], v[:, ks:end], **kw))
             return torch.cat(outs, dim=1)  # [B, S/cp, Hq, D]
         # packed documents: one lower-right call per document segment of each chunk, in one op
-        q_index = load_balanced_order(self.cp * local_len, self.cp, "cpu").view(self.cp, local_len)[self.cp_rank]
+        runs = torch.tensor(my_query_runs(self.cp, self.cp_rank, local_len), dtype=torch.long)  # [R, 3] on the host
         local = self.local_attention
-        return attention_per_document(q, k, v, attention_mask.document_ids, q_index, scale or 0.0, window, softcap,
-                                      local.backend_name, getattr(local, "sdpa_backends", "auto"))
+        return attention_per_document(q, k, v, attention_mask.document_ids, attention_mask.spans_rows, runs,
+                                      scale or 0.0, window, softcap, local.backend_name,
+                                      getattr(local, "sdpa_backends", "auto"))
 
     def extra_repr(self) -> str:
         return f"cp={self.cp}, cp_rank={self.cp_rank}"
+
+
+def my_query_runs(cp: int, cp_rank: int, local_len: int) -> list[tuple[int, int, int]]:
+    """Rank ``cp_rank``'s queries (its chunks ``r`` and ``2cp-1-r`` of ``load_balanced_order``) as runs of
+    consecutive global indices ``(first local row, global start, global end)``, from the layout alone (no read)."""
+    chunk, head, tail = local_len // 2, cp_rank, 2 * cp - 1 - cp_rank
+    if tail == head + 1:  # the middle rank's two chunks are one run
+        return [(0, head * chunk, (tail + 1) * chunk)]
+    return [(0, head * chunk, (head + 1) * chunk), (chunk, tail * chunk, (tail + 1) * chunk)]
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> int:

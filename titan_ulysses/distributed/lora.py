@@ -156,11 +156,6 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-def merged_delta(lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The change the adapter makes to its base weight: ``scaling * B @ A``, ``[out, in]`` in fp32."""
-    return (lora_b.float() @ lora_a.float()) * scaling
-
-
 def lora_options(section) -> LoRAOptions | None:
     """The ``[lora]`` section of a JobConfig as options for ``parallelize``; None when lora.rank is 0."""
     if section.rank == 0:

@@ -15,7 +15,7 @@ import functools
 import os
 from urllib.parse import parse_qsl, urlencode
 
-from titan_ulysses.data.sources import DataError, WorkItem, kind_of
+from titan_ulysses.data.work import DataError, WorkItem, kind_of
 
 PREFIX = "hf:"
 ROWS_PER_ITEM = 4096

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 
+from titan_ulysses.data.digest import file_digest
 from titan_ulysses.data.long_documents import hf_cut_rule
 
 
@@ -83,8 +84,6 @@ class HFTokenizer:
     def fingerprint(self) -> str:
         """The content of tokenizer.json and the special ids (which tokenizer_config.json/config.json pick)."""
         if self._fingerprint is None:
-            from titan_ulysses.data.tokenizer import file_digest
-
             self._fingerprint = f"hf-{file_digest(self.file)}-{self.bos_id}-{self.eos_id}-{self.pad_id}"
         return self._fingerprint
 

@@ -42,11 +42,6 @@ class HubModel:
     folder: str
 
 
-def is_hub_id(path: str) -> bool:
-    """Shaped like ``org/name`` and not a path on this machine."""
-    return bool(_HUB_ID.match(path)) and not os.path.exists(path)
-
-
 def hub_id_of(folder: str) -> str | None:
     """``org/name`` when ``folder`` is a snapshot of the Hub cache, else None."""
     match = _SNAPSHOT.search(os.path.abspath(folder)) if folder else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from titan_ulysses.models.decoder.args import DecoderArgs
+from titan_ulysses.models.registry import num_params
 
 # dense bf16 peak, TFLOP/s
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -19,7 +20,7 @@ def flops_per_token(args: DecoderArgs, seq_len: int, lora_params: int = 0) -> fl
     With ``lora_params`` adapter parameters (LoRA) the frozen base computes no weight gradients:
     4 per base parameter (forward and input gradient), 6 per adapter parameter.
     """
-    dense_params = args.num_params() - args.vocab_size * args.dim  # drop the embedding lookup
+    dense_params = num_params(args) - args.vocab_size * args.dim  # drop the embedding lookup
     if args.tie_embeddings:
         dense_params += args.vocab_size * args.dim  # the tied output projection still runs
     attention = 3 * 4 * args.n_layers * args.n_heads * args.head_dim * seq_len / 2

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import os
 
 import torch
@@ -73,12 +72,6 @@ class StepProfiler:
         if self.snapshot_folder is not None:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.snapshot_folder = None
-
-
-def trace_events(path: str) -> list[dict]:
-    """The events of a Chrome trace file written by the profiler."""
-    with open(path) as f:
-        return json.load(f)["traceEvents"]
 
 
 class StepGC:

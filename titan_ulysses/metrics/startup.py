@@ -5,6 +5,7 @@ with it (uneven heads, the start record, a fake process group)."""
 from __future__ import annotations
 
 from titan_ulysses.distributed.heads import uneven_note
+from titan_ulysses.models.registry import num_params
 from titan_ulysses.ops.attention import sdpa_priority
 
 
@@ -25,7 +26,7 @@ def startup_line(config, spec, weights, compute, options, parallel_dims, params:
     lora = options.lora
     notes = [uneven_note(args.n_heads, args.n_kv_heads, pd.sp, pd.tp), record_note, *spec.notes]
     return (
-        f"titan-ulysses: {args.num_params() / 1e6:.1f}M params, {source}, "
+        f"titan-ulysses: {num_params(args) / 1e6:.1f}M params, {source}, "
         + (f"LoRA rank {lora.rank} on {','.join(lora.targets)}: "
            f"{trainable / 1e6:.3f}M trainable of {total / 1e6:.1f}M, " if lora is not None else "")
         + f"layout {pd.degrees}{f' with ep {pd.ep} (borrowed)' if pd.ep > 1 else ''}, global batch {global_batch_size} x {t.seq_len} tokens "

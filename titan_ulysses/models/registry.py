@@ -8,6 +8,9 @@ more for backward than the decoder's, its per-layer memory terms. The trainer, t
 tracker, HF load and export ask :func:`get_family` / :func:`build_model` /
 :func:`parallelize_model`; a new family is one file under ``families/`` and one line in
 ``families/__init__.py``.
+
+This file imports no family: each registers itself (:func:`register`) when ``models/families`` is imported,
+which ``models/__init__.py`` does once, so every family is known to whoever imports anything of ``models/``.
 """
 
 from __future__ import annotations
@@ -15,10 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
+from titan_ulysses.models.compute import ComputeOptions
 from titan_ulysses.models.decoder.args import DecoderArgs
+from titan_ulysses.models.decoder.model import Transformer
+from titan_ulysses.models.decoder.parallelize import parallelize_decoder
 from titan_ulysses.models.decoder.spec import DecoderSpec
+from titan_ulysses.ops.attention import get_backend
+from titan_ulysses.ops.attention import registry as attention_registry
 
 @dataclass(frozen=True)
 class ExpertPart:
@@ -75,26 +84,26 @@ def register(family: ModelFamily) -> ModelFamily:
 
 
 def get_family(model_type: str) -> ModelFamily:
-    import titan_ulysses.models.families  # noqa: F401 (registers them all)
-
     if model_type not in FAMILIES:
         raise HFConfigError(f"model_type {model_type!r} is not supported (one of {sorted(FAMILIES)})")
     return FAMILIES[model_type]
 
 
-def build_model(args: DecoderArgs, compute=None) -> nn.Module:
+def build_model(args: DecoderArgs, compute: ComputeOptions | None = None) -> nn.Module:
     """The (non-distributed) decoder of ``args.family`` (Llama flavors: "llama"), computing as ``compute``
     (ComputeOptions) says; under ``torch.device("meta")`` for big models."""
-    from titan_ulysses.models.decoder.model import Transformer
-
     return Transformer(args, compute, get_family(args.family).decoder)
+
+
+def num_params(args: DecoderArgs) -> int:
+    """Parameters of the model ``args`` builds (its family's decoder, counted on the meta device)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(args).parameters())
 
 
 def check_compute(args: DecoderArgs, attn_backend: str, sdpa_backends: str = "auto") -> None:
     """Refuse (ValueError, one line) a backend that cannot compute what the model needs (windows, softcap),
     by the attention registry's capabilities."""
-    from titan_ulysses.ops.attention import get_backend, registry
-
     backend = get_backend(attn_backend)
     needs = [(cap, what) for cap, what, on in (
         ("window", f"sliding_window {args.sliding_window}", args.sliding_window),
@@ -103,13 +112,11 @@ def check_compute(args: DecoderArgs, attn_backend: str, sdpa_backends: str = "au
     ) if on]
     for cap, what in needs:
         if not getattr(backend, cap):
-            able = [b.name for b in registry.BACKENDS.values() if getattr(b, cap)]
+            able = [b.name for b in attention_registry.BACKENDS.values() if getattr(b, cap)]
             raise ValueError(f"model.attn_backend {attn_backend!r} cannot compute {args.family}'s {what}; "
                              f"use one of {able}")
 
 
 def parallelize_model(model: nn.Module, parallel_dims, options=None) -> nn.Module:
     """Lay ``model`` out on the mesh (``ParallelizeOptions``): the decoder's fixed order, every family alike."""
-    from titan_ulysses.models.decoder.parallelize import parallelize_decoder
-
     return parallelize_decoder(model, parallel_dims, options)

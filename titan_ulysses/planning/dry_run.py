@@ -32,6 +32,7 @@ from titan_ulysses.data.datasets import PasskeyDataset
 from titan_ulysses.interop.hf_datasets import hf_items, is_hf
 from titan_ulysses.data.sources import DataError, list_files, read_rows, work_items
 from titan_ulysses.distributed.heads import uneven_note
+from titan_ulysses.models.registry import num_params
 from titan_ulysses.planning.estimate import estimate
 from titan_ulysses.planning.inputs import GIB, from_config
 from titan_ulysses.planning.recommend import devices_that_fit, memory_warning
@@ -64,7 +65,7 @@ def describe(config: JobConfig, world_size: int, dims, spec, datasets: list[tupl
     config names; ``note``: the start record's."""
     args, tokenizer = spec.args, spec.tokenizer_object
     lines = [f"dry run: {world_size} rank(s); nothing was started or written",
-             f"model: {args.num_params() / 1e6:.1f}M params, {spec.source}; attention {config.model.attn_backend}; "
+             f"model: {num_params(args) / 1e6:.1f}M params, {spec.source}; attention {config.model.attn_backend}; "
              f"{spec.tokenizer_line()}"]
     lines += _layout(config, dims, args)
     lines += [_data(config, tokenizer, kind, path, name)

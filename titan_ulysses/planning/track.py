@@ -137,8 +137,9 @@ def _track(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, 
                         tracker.reset_mod_stats()  # FSDPMemTracker refuses a second forward otherwise
                     poller.phase = "forward"
                     first = torch._C._autograd._get_sequence_nr()
-                    loss = model(mb.tokens, positions=mb.positions, labels=mb.labels) / 1000.0
-                    loss = loss + _router_loss(model, pd, args, len(batches))
+                    loss, stats = model(mb.tokens, positions=mb.positions, labels=mb.labels, return_stats=True)
+                    loss = loss / 1000.0 + _router_loss(stats, pd, args, len(batches))
+                    del stats  # held, its graph would live on through the backward (AC: every block's inputs)
                     poller.forward_nodes = (first, torch._C._autograd._get_sequence_nr())
                     poller.phase = "loss backward"
                     loss.backward()
@@ -175,15 +176,13 @@ def _track(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, 
                       events=poller.events, thresholds=sorted(set(crossed)))
 
 
-def _router_loss(model, dims, args: DecoderArgs, forwards: int):
+def _router_loss(stats, dims, args: DecoderArgs, forwards: int):
     """A mixture of experts' share of the objective, formed as the trainer's step forms it
     (``step.forward_backward``, which the tracker cannot call: it names the loss's backward apart):
-    the routing statistics taken off the model (held, their graph -- under AC every block's checkpointed
-    inputs, which the unused branch never unpacks -- would live on into the next step's forward), the
-    load-balancing loss over the ``loss`` mesh, ``aux_loss_coef`` x it over the step's forwards."""
+    the routing statistics the forward returned, the load-balancing loss over the ``loss`` mesh,
+    ``aux_loss_coef`` x it over the step's forwards."""
     from titan_ulysses.step import router_aux_share
 
-    stats, model.router_stats = getattr(model, "router_stats", None), None
     if stats is None or args.moe is None:
         return 0.0
     aux, _ = router_aux_share(stats, dims.get_mesh("loss"))

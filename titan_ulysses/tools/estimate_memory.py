@@ -46,6 +46,7 @@ import json
 import sys
 
 from titan_ulysses.config.manager import ConfigError, load_config
+from titan_ulysses.models.registry import num_params
 from titan_ulysses.planning.estimate import estimate, largest_seq_len
 from titan_ulysses.planning.inputs import GIB, Switches, from_config
 from titan_ulysses.planning.recommend import BUDGET, devices_that_fit, recommend
@@ -230,7 +231,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(result, indent=1))
         return 0
-    print(f"{a.config}: {args.num_params() / 1e9:.2f}B params, seq_len {t.seq_len} x local batch {t.local_batch_size}, "
+    print(f"{a.config}: {num_params(args) / 1e9:.2f}B params, seq_len {t.seq_len} x local batch {t.local_batch_size}, "
           f"world {a.world_size} = dp_shard {layout.dp_shard} x cp {layout.cp} x sp {layout.sp} x tp {layout.tp}"
           f"{f', experts over ep {layout.ep}' if layout.ep > 1 else ''}, "
           f"AC {switches.ac_mode}, loss {switches.loss_backend} (chunk {switches.loss_chunk_size or 'auto'}), MLP tile {switches.mlp_tile_size}, "

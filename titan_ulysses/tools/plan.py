@@ -27,6 +27,7 @@ import argparse
 import math
 import sys
 
+from titan_ulysses.models.registry import num_params
 from titan_ulysses.runs.outputs import output_problem, write_text
 
 # docs/benchmarks.md, "local attention at 32K+": bf16 matmul 787 TFLOP/s, cuDNN SDPA 74% of it at
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
 
     config, dims, args, est, overrides = plan_config(a)
     speed = tokens_per_second(args, a.seq_len, config.activation_checkpoint.mode, a.matmul_tflops)
-    toml = to_toml(config, overrides, f"scripts/plan.py: {args.num_params() / 1e6:,.0f}M params, seq_len {a.seq_len}, "
+    toml = to_toml(config, overrides, f"scripts/plan.py: {num_params(args) / 1e6:,.0f}M params, seq_len {a.seq_len}, "
                                       f"{a.gpus} GPUs of {a.gpu_memory_gib:g} GiB; set dataset, steps and lr")
     print(toml)
     if a.out:

@@ -127,11 +127,3 @@ class DecoderArgs:
         if bad:
             raise ValueError(f"layer_types contains {bad[0]!r} (sliding_attention or full_attention)")
 
-    def num_params(self) -> int:
-        """Parameters of the model these arguments build (its family's decoder, counted on the meta device)."""
-        import torch
-
-        from titan_ulysses.models.registry import build_model
-
-        with torch.device("meta"):
-            return sum(p.numel() for p in build_model(self).parameters())

@@ -7,7 +7,7 @@ A block builds its feed-forward with its family's ``DecoderSpec.feed_forward``, 
 load-balancing loss, ``models/moe/aux_loss.py``, which transformers computes from all
 layers' routing counts at once, so no layer's share is known when it runs). They leave the
 block beside its output, ``(h, stats)``, through activation checkpointing (groups too),
-compile and FSDP, and the model sums them over layers (``Transformer.router_stats``); the
+compile and FSDP, and the model sums them over layers and returns them (``return_stats=True``); the
 loss adds its term once the forward is done. The default, :func:`dense`, is the gated MLP.
 """
 

@@ -39,12 +39,14 @@ def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float):
 
 class Transformer(nn.Module):
     def __init__(self, args: DecoderArgs, compute: ComputeOptions | None = None, spec: DecoderSpec | None = None):
-        """``spec``: what the family does differently (None: ``args.family``'s, from ``models/registry.py``)."""
+        """``spec``: what the family does differently; None: Llama's (``DecoderSpec()``, which the dense families
+        that declare none share). ``models/registry.build_model`` passes ``args.family``'s: the decoder never
+        looks a family up itself."""
         super().__init__()
-        if spec is None:
-            from titan_ulysses.models.registry import get_family
-
-            spec = get_family(args.family).decoder
+        spec = DecoderSpec() if spec is None else spec
+        if args.moe is not None and not spec.experts:
+            raise ValueError(f"{args.family}'s mixture-of-experts arguments need its DecoderSpec: build the model "
+                             f"with models.registry.build_model(args)")
         self.args, self.spec = args, spec
         self.compute = compute = compute or ComputeOptions()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, padding_idx=args.pad_token_id)
@@ -61,9 +63,6 @@ class Transformer(nn.Module):
         self.layer_units = each_block
         """``self.layers`` -> what forward runs in turn (a plain attribute, not a module: no parameter name
         changes); activation checkpointing in groups of blocks replaces it (``distributed/activation_checkpoint.py``)."""
-        self.router_stats = None
-        """The last forward's feed-forward statistics summed over layers (a mixture of experts' RouterStats:
-        what its load-balancing loss needs, ``models/moe/aux_loss.py``); None for a dense model."""
         self.rope_seq_len = 0
         """Full sequence length for longrope's choice of factors (0: the last of the local positions + 1,
         right in one process; under Ulysses / cp the trainer sets it to training.seq_len)."""
@@ -97,8 +96,10 @@ class Transformer(nn.Module):
         return {"full_attention": full,
                 "sliding_attention": _cos_sin(positions, self.rope_local_inv_freq, self.local_attention_factor)}
 
-    def forward(self, tokens, positions=None, attention_mask=None, labels=None):
-        """``tokens: [B, S]`` -> logits ``[B, S, vocab]``, or with ``labels`` the summed cross-entropy.
+    def forward(self, tokens, positions=None, attention_mask=None, labels=None, return_stats=False):
+        """``tokens: [B, S]`` -> logits ``[B, S, vocab]``, or with ``labels`` the summed cross-entropy;
+        with ``return_stats`` a pair ``(that, stats)``: the feed-forward statistics summed over layers (a mixture
+        of experts' RouterStats, what its load-balancing loss needs: ``models/moe/aux_loss.py``; None when dense).
 
         ``positions`` are the global positions of these tokens (default ``arange(S)``);
         under Ulysses each rank passes those of its own slice so RoPE is right everywhere.
@@ -114,10 +115,10 @@ class Transformer(nn.Module):
         stats = None
         for unit in self.layer_units(self.layers):  # h is each unit's alone: an input held here would stay alive
             h, stats = add_stats(stats, unit(h, rope, attention_mask))
-        self.router_stats = stats
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight  # [V, D]
-        return self.head(h, weight, labels)
+        out = self.head(h, weight, labels)
+        return (out, stats) if return_stats else out
 
     def head(self, h, weight, labels=None):
         """Logits ``[B, S, vocab]`` of the final hidden states (after the final softcap, if any), or with

@@ -153,11 +153,6 @@ def rope_config(args: DecoderArgs) -> dict | None:
     return out
 
 
-def no_export_keys(args: DecoderArgs, config: dict) -> dict:
-    return {}
-
-
-
 def qk_norm_bytes(args: DecoderArgs, layout, switches, mode: str) -> float:
     """Bytes per local token that per-head q/k norms (Qwen3, Gemma 3) keep beyond the decoder's memory terms:
     without AC, their inputs (the q/k projections' outputs, which RoPE alone frees) and an fp32 scale per head.

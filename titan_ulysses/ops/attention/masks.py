@@ -56,6 +56,16 @@ def lower_right_mask(lq: int, lk: int, window: int, device) -> torch.Tensor:
     return visible(torch.arange(lk - lq, lk, device=device), torch.arange(lk, device=device), window)
 
 
+def cu_seqlens_from_spans(spans: list[list[tuple[int, int]]], seq_len: int, device) -> tuple[torch.Tensor, int]:
+    """:func:`cu_seqlens_from_document_ids` from the rows' spans, already on the host: no read of the device
+    (the offsets are uploaded ``non_blocking`` from pinned memory on CUDA; the longest document is a host int)."""
+    starts = [r * seq_len + a for r, row in enumerate(spans) for a, _ in row] + [len(spans) * seq_len]
+    cu = torch.tensor(starts, dtype=torch.int32)
+    cuda = torch.device(device).type == "cuda"
+    cu = cu.pin_memory().to(device, non_blocking=True) if cuda else cu.to(device)
+    return cu, max(e - a for row in spans for a, e in row)
+
+
 def cu_seqlens_from_document_ids(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Cumulative document lengths over the flattened batch ``[B*S]`` (int32) and the longest document.
 
@@ -84,6 +94,13 @@ class DocumentMask:
     """sdpa at small lengths only: [B, 1, S, S] bool, causal within documents."""
     cu_seqlens: tuple[torch.Tensor, int] | None = None
     """flash_attn: cumulative document lengths over the flattened batch and the longest document."""
+    spans_rows: torch.Tensor | None = None
+    """``[N, 3]`` (row, start, end) of each run of equal ids (:func:`row_spans`) on the host, from the loader's batch
+    (``data/sharding.py``): what the per-document calls cut by, read on no layer; None: a mask built from device
+    ids alone (each per-document call reads them)."""
+    query_runs: torch.Tensor | None = None
+    """sdpa: ``[1, 3]`` on the host, every query of the sequence as one run, for its per-document calls above the
+    dense size (``per_document.py``)."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property

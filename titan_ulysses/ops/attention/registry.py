@@ -14,8 +14,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from titan_ulysses.ops.attention import per_document  # noqa: F401  (registers titan_ulysses::attention_per_document)
-from titan_ulysses.ops.attention.masks import DENSE_MASK_MAX_ELEMENTS, DocumentMask, cu_seqlens_from_document_ids
+from titan_ulysses.ops.attention import per_document  # registers titan_ulysses::attention_per_document
+from titan_ulysses.ops.attention.masks import (DENSE_MASK_MAX_ELEMENTS, DocumentMask, cu_seqlens_from_document_ids,
+                                               cu_seqlens_from_spans)
+from titan_ulysses.ops.attention.sdpa import SDPAAttention, parse_sdpa_backends
 
 
 @dataclass(frozen=True)
@@ -23,8 +25,9 @@ class Backend:
     name: str
     build: Callable[[str], nn.Module]
     """``build(sdpa_backends)`` -> the local attention module."""
-    build_mask: Callable[[torch.Tensor], DocumentMask]
-    """Document ids ``[B, S]`` of the full padded sequence -> the per-step mask object."""
+    build_mask: Callable[[torch.Tensor, list | None], DocumentMask]
+    """Document ids ``[B, S]`` of the full padded sequence (and their spans, read on the host, or None) -> the
+    per-step mask object."""
     cpu_backward: bool
     """Trains on CPU (forward and backward)."""
     cuda_only: bool
@@ -47,8 +50,6 @@ class Backend:
 
 
 def _sdpa(sdpa_backends: str) -> nn.Module:
-    from titan_ulysses.ops.attention.sdpa import SDPAAttention
-
     return SDPAAttention(sdpa_backends)
 
 
@@ -64,22 +65,25 @@ def _flash_attn(sdpa_backends: str) -> nn.Module:
     return FlashAttnAttention()
 
 
-def _sdpa_mask(document_ids: torch.Tensor) -> DocumentMask:
+def _sdpa_mask(document_ids: torch.Tensor, spans: list | None) -> DocumentMask:
     """A dense [B, 1, S, S] mask only at small sizes (the compiled tests' path); above, per-document calls."""
     b, s = document_ids.shape
     dense = None
     if b * s * s <= DENSE_MASK_MAX_ELEMENTS:
         causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
         dense = ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
-    return DocumentMask(document_ids, "sdpa", dense=dense)
+    return DocumentMask(document_ids, "sdpa", dense=dense, query_runs=per_document.host_rows([(0, 0, s)]))
 
 
-def _flex_mask(document_ids: torch.Tensor) -> DocumentMask:
+def _flex_mask(document_ids: torch.Tensor, spans: list | None) -> DocumentMask:
     return DocumentMask(document_ids, "flex")  # block masks per window, made on first use
 
 
-def _flash_attn_mask(document_ids: torch.Tensor) -> DocumentMask:
-    return DocumentMask(document_ids, "flash_attn", cu_seqlens=cu_seqlens_from_document_ids(document_ids))
+def _flash_attn_mask(document_ids: torch.Tensor, spans: list | None) -> DocumentMask:
+    """The varlen offsets: from the spans on the host when given (no read of the device), else from the ids."""
+    cu = (cu_seqlens_from_document_ids(document_ids) if spans is None else
+          cu_seqlens_from_spans(spans, document_ids.shape[1], document_ids.device))
+    return DocumentMask(document_ids, "flash_attn", cu_seqlens=cu)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -104,6 +108,8 @@ BACKENDS: dict[str, Backend] = {
     ),
 }
 
+per_document.LOWER_RIGHT.update({name: backend.build for name, backend in BACKENDS.items()})
+
 
 def get_backend(name: str) -> Backend:
     if name not in BACKENDS:
@@ -115,15 +121,22 @@ def build_attention(backend: str, sdpa_backends: str = "auto") -> nn.Module:
     return get_backend(backend).build(sdpa_backends)
 
 
-def build_attention_mask(backend: str, document_ids: torch.Tensor | None):
+def build_attention_mask(backend: str, document_ids: torch.Tensor | None, spans: list | None = None):
     """The per-step mask object of ``backend`` for document ids ``[B, S]`` of the full sequence.
 
     Returns ``None`` (plain causal) when ``document_ids`` is None. Build it once per step,
     outside the model: every layer reuses it, and under Ulysses it covers the full
-    sequence that attention sees after the exchange.
+    sequence that attention sees after the exchange. ``spans``: the ids' ``masks.row_spans``, read on the host
+    from the loader's batch (``SPBatch.spans``): with them no mask reads the device (flash_attn's offsets, the
+    per-document calls of sdpa above the dense size and of cp); without, those read the ids.
     """
     backend_ = get_backend(backend)
-    return None if document_ids is None else backend_.build_mask(document_ids)
+    if document_ids is None:
+        return None
+    mask = backend_.build_mask(document_ids, spans)
+    if spans is not None:
+        mask.spans_rows = per_document.host_rows(per_document.spans_rows(spans))
+    return mask
 
 
 def save_ops() -> set:
@@ -142,8 +155,6 @@ def save_ops() -> set:
 
 def check_attention_settings(attn_backend: str, sdpa_backends: str, cp: int, device_type: str | None = None) -> None:
     """Refuse what a backend cannot do, in one line naming the alternative (before any process group)."""
-    from titan_ulysses.ops.attention.sdpa import parse_sdpa_backends
-
     backend = get_backend(attn_backend)
     parse_sdpa_backends(sdpa_backends)
     if cp > 1 and not backend.cp:

@@ -144,9 +144,9 @@ class SDPAAttention(nn.Module):
                 if sinks is not None:
                     raise ValueError("attention sinks with packed documents above the dense-mask size are not "
                                      "implemented for model.attn_backend 'sdpa'; set training.packing false")
-                index = torch.arange(q.shape[1], device="cpu")  # [S]: every query, in order
-                return attention_per_document(q, k, v, attention_mask.document_ids, index, scale or 0.0, window,
-                                              softcap, "sdpa", self.sdpa_backends)
+                return attention_per_document(q, k, v, attention_mask.document_ids, attention_mask.spans_rows,
+                                              attention_mask.query_runs, scale or 0.0, window, softcap, "sdpa",
+                                              self.sdpa_backends)
             mask = attention_mask.dense
             if window > 0:  # [B, 1, S, S] & [S, S]
                 mask = mask & lower_right_mask(q.shape[1], k.shape[1], window, q.device)
