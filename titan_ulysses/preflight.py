@@ -141,21 +141,32 @@ def check_launch(config: JobConfig) -> tuple[ParallelDims, RunSpec, str | None]:
     return dims, spec, note
 
 
+def device_total_memory(device) -> tuple[float, str] | None:
+    """(bytes, name) of ``device``'s memory; None where the planner has nothing to compare (a CPU)."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return float(props.total_memory), props.name
+
+
 def check_device(config: JobConfig, dims: ParallelDims, device, args=None) -> None:
-    """The checks that need this rank's device, once it has joined the job: what the attention
-    backend cannot do on it (refused), and on CUDA rank 0's warning when the memory estimate
-    exceeds the device."""
+    """The checks that need this rank's device, once it has joined the job and before the model is built: what
+    the attention backend cannot do on it, and a layout whose predicted peak exceeds the device's memory
+    (``planning/oom.py``; every rank finds the same; ``training.allow_over_memory_estimate`` makes it rank 0's
+    warning)."""
     try:
         check_attention_settings(config.model.attn_backend, config.model.sdpa_backends, dims.cp, device.type)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    if device.type == "cuda" and dist.get_rank() == 0:
-        from titan_ulysses.planning.recommend import memory_warning  # the planner only when it may speak
+    memory = device_total_memory(device)
+    if memory is not None:
+        from titan_ulysses.planning.oom import launch_refusal  # the planner only when it may speak
 
-        total = torch.cuda.get_device_properties(device).total_memory
-        warning = memory_warning(config, dims, dist.get_world_size(), total, args)
-        if warning:
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        refusal = launch_refusal(config, dims, memory[0], args, memory[1])
+        if refusal and not config.training.allow_over_memory_estimate:
+            raise ConfigError(refusal)
+        if refusal and dist.get_rank() == 0:
+            print(f"warning (training.allow_over_memory_estimate): {refusal}", file=sys.stderr, flush=True)
 
 
 def load_tokenizer(config: JobConfig):

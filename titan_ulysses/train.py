@@ -148,8 +148,17 @@ def main(argv: list[str]) -> int:
                 signal.signal(sig, lambda signum, frame: os._exit(0))
             time.sleep(RANK0_FIRST_S)
         return EXIT_REFUSED
+    import torch
+
     try:
         trainer.train()
+    except torch.OutOfMemoryError as e:  # every rank: one line (phase, asked and free, the prediction, what fits)
+        from titan_ulysses.planning.oom import oom_line
+
+        line = oom_line(e, trainer.config, trainer.parallel_dims, trainer.spec.args, trainer.step + 1)
+        print(f"out of memory: {line}", file=sys.stderr, flush=True)
+        tell_launcher(f"out of memory: {line}")
+        return EXIT_FAILED
     except SaveFailedError as e:  # every rank's save failed: one line (where, space needed and free, what to do)
         import torch.distributed as dist
 

@@ -42,7 +42,7 @@ class Choice:
         what = " ".join(self.overrides) or "the config's own switches"
         speed = (f"measured {self.measured_tok_s:,.0f} tok/s (model: {self.time.tok_s:,.0f})" if self.measured_tok_s
                  else f"predicted {self.time.tok_s:,.0f} tok/s, {self.time.mfu_pct:.1f}% MFU")
-        return f"{what}: {speed}, peak {self.memory.total / GIB:.1f} GiB predicted"
+        return f"{what}: {speed}, peak {self.memory.total / GIB:.2f} GiB predicted"
 
 
 def _stage_counts(args, layout: Layout) -> list[int]:
