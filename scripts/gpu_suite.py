@@ -123,13 +123,16 @@ def short_parts() -> dict[str, list[Case]]:
     an H100, wheel install and compile warm-up included): the kernels ``"auto"`` picks, compile
     against eager in one step, the pinned-stager save and resume, packed documents without a dense
     mask, cp's per-chunk kernel, head stages and LoRA on ranks sharing the GPU, every family's bf16
-    logits against transformers; then our 1B step at 16K against the transformers loop and its
-    profile (``benchmarks/peer_profile.py``), and the headline 8B step with its memory estimate.
-    ``second`` (within 180 s on a started machine): float8 and ``full_offload`` against the first
-    part's cells, the 128K packed-documents row. ``rest``: what fits neither (the 6M limits point,
-    the head stages' cost and a transformers Llama under ``apply_ulysses`` in bf16 among them). ``perf`` (``benchmarks/perf_ab.py``): the A/B cells."""
+    logits against transformers, a transformers Llama under ``apply_ulysses`` in bf16; then our 1B step at
+    16K against the transformers loop and its profile (``benchmarks/peer_profile.py``), and the headline 8B
+    step in the layout the planner finds fastest on this GPU, with its prediction and memory estimate.
+    ``second`` (within 180 s on a started machine): float8 against the first part's cells, ``full_offload``
+    against ``full`` with a memory snapshot, the 128K packed-documents row. ``rest``: what fits neither (the
+    6M limits point, the head stages' cost and their profile, the step-time model's rates among them). ``perf`` (``benchmarks/perf_ab.py``): the A/B cells."""
     from benchmarks import gpu_perf
     from benchmarks.headline import headline_8b, limits_6m_two_layers
+    from benchmarks.offload_case import offload_vs_full_snapshot
+    from benchmarks.planner_cases import bench_rates, profile_8b_stages
     from benchmarks.peer_profile import peer_1b_16k, profile_1b_16k
     from gpu import correctness
     from gpu.models import families_bf16, moe_grouped_mm
@@ -145,18 +148,18 @@ def short_parts() -> dict[str, list[Case]]:
         Case("attn_sdpa_docs_window_softcap", known["attn_sdpa_docs_window_softcap"].fn, 5, 3),
         Case("attn_sdpa_lower_right_cp", known["attn_sdpa_lower_right_cp"].fn, 5, 2),
         Case("features_multirank", features_multirank, 30, 40),
-        Case("moe_grouped_mm_bf16", moe_grouped_mm, 10, 3),
         Case("families_bf16", families_bf16, 15, 10),
-        Case("attn_flash_attn_docs_window_softcap", known["attn_flash_attn_docs_window_softcap"].fn, 5, 1),
+        known["hf_llama_ulysses_bf16"],  # issue 37: a transformers model under apply_ulysses, bf16 (never on a GPU)
         # where the step stands (issue 40): against the transformers loop, 2-4 compiled 1B runs a
         # side (estimates: about 35 s each, not yet measured), then where its time goes
         Case("peer_1b_16k", peer_1b_16k, 150, 30),
         Case("profile_1b_16k", profile_1b_16k, 45, 30),
-        Case("headline_8b_128k_sim8_compile_bf16_selective", headline_8b, 65, 15),
+        Case("headline_8b_128k_sim8_planned", headline_8b, 65, 15),  # the planner's fastest layout that fits
     ]
     second = [  # against the first part's cells on the same started machine
         Case("8b_128k_sim8_compile_float8_selective", cell_steps(True, "float8", "selective"), 65, 10),
-        Case("8b_128k_sim8_compile_bf16_full_offload", cell_steps(True, "bf16", "full_offload"), 65, 10),
+        # issue 44: offload's peak against full's, with a CUDA memory snapshot of what it holds
+        Case("8b_128k_sim8_compile_bf16_full_offload_snapshot", offload_vs_full_snapshot, 65, 10),
         Case("bench_packed_128k", known["bench_packed_128k"].fn, 35, 5),
     ]
     # moved out of first for the peer and profile cases (2026-11-27): the 6M limits point, flex's
@@ -168,7 +171,10 @@ def short_parts() -> dict[str, list[Case]]:
             Case("8b_128k_sim8_compile_bf16_full_stages4",
                  cell_steps(True, "bf16", "full", ["--parallelism.ulysses_head_stages", "4"]), 65, 10),
             known["attn_flex_cp4_docs_window_softcap"], known["attn_flash_attn_cp4_docs_window"],
-            known["hf_llama_ulysses_bf16"],  # issue 37: a transformers model under apply_ulysses, bf16
+            Case("moe_grouped_mm_bf16", moe_grouped_mm, 10, 3),
+            Case("attn_flash_attn_docs_window_softcap", known["attn_flash_attn_docs_window_softcap"].fn, 5, 1),
+            Case("bench_rates", bench_rates, 60, 10),  # the step-time model's rates (planning/rates.py)
+            Case("profile_8b_stages", profile_8b_stages, 110, 30),  # why head stages are faster
             Case("8b_128k_sim8_eager_bf16_full", cell_steps(False, "bf16", "full"), 45, 10),
             Case("8b_128k_sim8_eager_bf16_full_offload", cell_steps(False, "bf16", "full_offload"), 45, 10)]
     return {"first": first, "second": second, "rest": rest}

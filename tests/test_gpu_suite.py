@@ -35,8 +35,10 @@ DRY = {
 # second's cell runs train_cell, which headline and peer_1b_16k run here too; rest's
 # limits_6m_staged_two_layers_1m runs _trial (longest_1b_one_gpu above) and _estimate_gib (headline).
 DRY_SHORT = {
-    "first": ["features_multirank", "moe_grouped_mm_bf16", "families_bf16", "peer_1b_16k", "profile_1b_16k",
-              "headline_8b_128k_sim8_compile_bf16_selective"],
+    "first": ["features_multirank", "families_bf16", "peer_1b_16k", "profile_1b_16k",
+              "headline_8b_128k_sim8_planned"],
+    "second": ["8b_128k_sim8_compile_bf16_full_offload_snapshot"],
+    "rest": ["moe_grouped_mm_bf16", "bench_rates", "profile_8b_stages"],
 }
 # CUDA-only kernels and packages the CPU machine lacks: the only skips a dry run may report
 MAY_SKIP = {"attn_sdpa_cudnn": "CUDA kernel", "attn_flash_attn_pkg": "not installed",

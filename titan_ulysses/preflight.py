@@ -177,7 +177,7 @@ def load_tokenizer(config: JobConfig):
         raise ConfigError(str(e)) from e
 
 
-def plan(config: JobConfig, world_size: int, device_gib: float | None = None) -> str:
+def plan(config: JobConfig, world_size: int, device_gib: float | None = None, device_name: str | None = None) -> str:
     """Every pre-launch check for ``world_size`` ranks, then the plan (``planning/dry_run.py``) as text, or a
     ConfigError / DataError."""
     resolve_hf_assets(config)  # a Hub id -> its snapshot folder (downloaded unless HF_HUB_OFFLINE)
@@ -193,7 +193,7 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
     check_resume(config, spec.args)  # as a launch: a checkpoint of other settings is refused, not resumed
     from titan_ulysses.planning import dry_run  # here: a launch imports this module, and needs no planner
 
-    return dry_run.describe(config, world_size, dims, spec, _datasets(config), device_gib, record_note)
+    return dry_run.describe(config, world_size, dims, spec, _datasets(config), device_gib, record_note, device_name)
 
 
 def _datasets(config: JobConfig) -> list[tuple[str, str, str]]:

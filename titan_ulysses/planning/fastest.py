@@ -4,8 +4,9 @@
 AC mode, head stages, MLP tiles, loss chunk and FSDP CPU offload at the config's own layout by predicted step
 time (``timing.py``), among those whose predicted peak (``device_fit.py``: the estimate plus what a measured
 cell of the same step reserved beyond it) fits ``BUDGET`` of the device. Where a cell measured the same step on
-this device, its tok/s stands for the prediction; an unmeasured layout must beat the best measured one by more
-than ``UNMEASURED_MARGIN`` (the model's largest error on a held-out cell it explains) to be chosen over it.
+this device (same kernel), its tok/s stands for the prediction; a layout no cell has measured (its compiled
+peak unknown beyond the estimate) must beat the best measured one by more than ``UNMEASURED_MARGIN`` (the
+model's largest error on a held-out cell it explains) to be chosen over it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Choice:
     memory: Predicted
     time: StepTime
     measured_tok_s: float | None = None  # a cell's on this device, where one measured this step
+    measured_from: str = ""  # which cell, and whether the model's traffic was added to it
 
     @property
     def tok_s(self) -> float:
@@ -40,7 +42,8 @@ class Choice:
 
     def line(self) -> str:
         what = " ".join(self.overrides) or "the config's own switches"
-        speed = (f"measured {self.measured_tok_s:,.0f} tok/s (model: {self.time.tok_s:,.0f})" if self.measured_tok_s
+        speed = (f"{self.measured_tok_s:,.0f} tok/s from {self.measured_from} (model: {self.time.tok_s:,.0f})"
+                 if self.measured_tok_s
                  else f"predicted {self.time.tok_s:,.0f} tok/s, {self.time.mfu_pct:.1f}% MFU")
         return f"{what}: {speed}, peak {self.memory.total / GIB:.2f} GiB predicted"
 
@@ -73,7 +76,7 @@ def candidates(args, layout: Layout, base: Switches) -> list[Switches]:
     tiles = sorted({base.mlp_tile_size, 0, TILE}) if args.moe is None else [0]
     chunks = sorted({base.loss_chunk_size, CHUNK})
     out = []
-    for ac, g, tile, chunk, off in itertools.product(AC_MODES, stages, tiles, chunks, (False, True)):
+    for ac, g, tile, chunk, off in itertools.product(AC_MODES, stages, tiles, chunks, (base.cpu_offload,)):
         out.append(dataclasses.replace(base, ac_mode=ac, head_stages=g, mlp_tile_size=tile, loss_chunk_size=chunk,
                                        cpu_offload=off))
     return out
@@ -90,19 +93,30 @@ def fastest(args, layout: Layout, base: Switches, seq_len: int, local_batch: int
             continue
         t = step_time(args, layout, s, seq_len, rates, local_batch, compiled, precision, attention, simulated)
         cell = measured_cell(args, layout, s, seq_len, local_batch, compiled, rates.device)
-        seen = None
-        if cell is not None and cell.device == rates.device and cell.precision == precision:
+        seen, source = None, ""
+        if cell is not None and cell.device == rates.device and cell.precision == precision and \
+                cell.attention == attention:
             # a simulated cell measured the compute alone: the model's traffic is added for a real run
             traffic = 0.0 if simulated or not cell.simulated else sum(
                 v for k, v in t.parts.items() if k in TRAFFIC)
             seen = t.tokens / (t.tokens / cell.tok_s + traffic)
-        fits.append(Choice(s, _overrides(base, s), mem, t, seen))
+            source = f"the measured cell {cell.name} ({cell.device}, {cell.date})" + (
+                ", a simulated rank, plus the modelled traffic" if traffic else "")
+        fits.append(Choice(s, _overrides(base, s), mem, t, seen, source if seen else ""))
+    if not fits and not base.cpu_offload:
+        # FSDP CPU offload (its optimizer step on the host, which the model does not time) only where nothing
+        # fits without it, as recommend.py
+        found = fastest(args, layout, dataclasses.replace(base, cpu_offload=True), seq_len, local_batch, rates,
+                        device_bytes, compiled, simulated, precision, attention)
+        if found is not None:
+            found.overrides = _overrides(base, found.switches)
+        return found
     if not fits:
         return None
     # the fewest changes first among equals: fewer switches from the config, then less memory
     fits.sort(key=lambda c: (-c.tok_s, len(c.overrides), c.memory.total))
     best = fits[0]
-    measured = [c for c in fits if c.measured_tok_s]
-    if best.measured_tok_s is None and measured and best.tok_s <= measured[0].tok_s * (1 + UNMEASURED_MARGIN):
+    measured = [c for c in fits if c.memory.cell is not None]  # a cell measured this step (its peak, its speed)
+    if best.memory.cell is None and measured and best.tok_s <= measured[0].tok_s * (1 + UNMEASURED_MARGIN):
         return measured[0]
     return best

@@ -43,13 +43,15 @@ def _plan(config, dims, args, device_bytes: float):
 def what_fits(config, dims, args, device_bytes: float) -> str:
     """The fastest switches that fit at this layout with their prediction, else the layout recommend.py finds."""
     from titan_ulysses.planning.fastest import fastest
+    from titan_ulysses.planning.rates import kernel_of
     from titan_ulysses.planning.recommend import BUDGET, recommend
 
     args, layout, switches, rates, _ = _plan(config, dims, args, device_bytes)
     t = config.training
     best = fastest(args, layout, switches, t.seq_len, t.local_batch_size, rates, device_bytes,
                    config.compile.enable, simulated=config.comm.mode == "fake",
-                   precision="float8" if config.float8.enable else "bf16")
+                   precision="float8" if config.float8.enable else "bf16",
+                   attention=kernel_of(config.model.attn_backend))
     if best is not None:
         return f"at this layout {best.line()} (an {rates.device} by the step-time model)"
     rec = recommend(args, layout, switches, t.seq_len, t.local_batch_size, dims.world_size, BUDGET * device_bytes,

@@ -33,17 +33,19 @@ class DeviceRates:
 
 _BENCH = ("H200, 2026-11-23, python scripts/gpu_suite.py --part bench (bench_attention: causal fwd+bwd bf16, "
           "4 q / 1 kv heads, head_dim 128, 32K-128K; docs/bench_gpu_2026-11-23.md): matmul 787 TFLOP/s, "
-          "cuDNN 70% at 64K-128K, FlashAttention 39-41%")
+          "cuDNN 70% at 64K-128K, FlashAttention 39-41%, compiled flex 38-42%")
 _FIT = "python scripts/check_timing.py --fit (2026-11-28, no GPU: fitted to measured.py's cells, named per figure)"
 
 _H200 = DeviceRates(
     device="H200", memory_gib=141.0, peak_tflops=989.0, matmul_tflops=787.0,
-    attention_fraction={"cudnn": 0.70, "flash": 0.40}, attention_fwd_fraction={"cudnn": 1.02, "flash": 0.58},
+    attention_fraction={"cudnn": 0.70, "flash": 0.40, "flex": 0.40},
+    attention_fwd_fraction={"cudnn": 1.02, "flash": 0.58, "flex": 0.58},
     hbm_gbs=4800.0, hbm_efficiency=0.175, eager_memory_factor=2.02, float8_linear_speedup=1.61,
     host_exposed_gbs=119.0,
     sources=(f"matmul, attention fwd+bwd: {_BENCH}",
              "attention forward alone: cudnn 1.02 (803 TFLOP/s) fitted to 8b_128k_sim8_compile_bf16_full, H200 2026-11-26; flash 0.58 "
-             "assumed (the same 1.46x over its fwd+bwd fraction; no cell is known to have run FlashAttention)",
+             "and flex 0.58 assumed (the same 1.46x over their fwd+bwd fraction; no training cell is known to have run "
+             "either: the suite measures flex's step in bench_rates)",
              "hbm_efficiency 0.175: fitted to 8b_128k_sim8_compile_bf16_selective, H200 2026-11-26",
              "eager_memory_factor 2.02: fitted to 8b_128k_sim8_eager_bf16_full against the compiled cell, H200 2026-11-26",
              "float8_linear_speedup 1.61: fitted to 8b_128k_sim8_compile_float8_selective, H200 2026-11-26",
@@ -76,3 +78,12 @@ def device_rates(name: str | None = None, memory_gib: float | None = None) -> De
         return RATES[key]
     gib = 80.0 if memory_gib is None else memory_gib
     return min(RATES.values(), key=lambda r: abs(r.memory_gib - gib))
+
+
+KERNELS = {"sdpa": "cudnn", "flex": "flex", "flash_attn": "flash"}
+"""``model.attn_backend`` -> the kernel whose rate the model takes (sdpa: cuDNN, which ``"auto"`` puts first on
+Hopper; a packed flex step attends less than one document, which the model does not know: an upper bound)."""
+
+
+def kernel_of(attn_backend: str) -> str:
+    return KERNELS.get(attn_backend, "cudnn")

@@ -79,7 +79,7 @@ def _memory_bound_bytes(args, s: Switches) -> tuple[float, float]:
 
 def step_time(args, layout: Layout, s: Switches, seq_len: int, rates: DeviceRates, local_batch: int = 1,
               compiled: bool = True, precision: str = "bf16", attention: str = "cudnn", simulated: bool = False,
-              link_gbps: float | None = None) -> StepTime:
+              link_gbs: float | None = None) -> StepTime:
     """Seconds of one rank's steady-state step (``simulated``: a fake process group, no traffic at all)."""
     tokens = local_batch * seq_len / (layout.sp * layout.cp)  # T, per rank
     fl = flop_parts(args, seq_len)
@@ -108,18 +108,18 @@ def step_time(args, layout: Layout, s: Switches, seq_len: int, rates: DeviceRate
         parts["FSDP CPU offload"] = 8 * _counted(args, seq_len)[1] / (layout.dp_shard * layout.cp * layout.sp) / (
             rates.host_exposed_gbs * 1e9)
     if not simulated:
-        parts.update(_traffic(args, layout, s, tokens, sum(parts.values()), link_gbps or rates.link_gbs * 8,
+        parts.update(_traffic(args, layout, s, tokens, sum(parts.values()), link_gbs or rates.link_gbs,
                               _counted(args, seq_len)[1]))
     return StepTime(parts=parts, tokens=tokens, flops_per_token=_counted(args, seq_len)[0],
                     peak_flops=rates.peak_tflops * 1e12)
 
 
-def _traffic(args, layout: Layout, s: Switches, tokens: float, compute_s: float, link_gbps: float,
+def _traffic(args, layout: Layout, s: Switches, tokens: float, compute_s: float, link_gbs: float,
              n_params: int) -> dict:
-    """The exchanges' seconds at ``link_gbps`` (gigabits per second per rank, ``comm.link_bandwidth_gbps``): the
+    """The exchanges' seconds at ``link_gbs`` (GB/s per direction per rank, ``comm.link_bandwidth_gbps``): the
     all-to-all (q, k, v in and the output back, each way again in backward and in a full recompute) and cp's K/V
     all-gather are on the step's path; FSDP's gathers and reduce-scatters overlap compute and count beyond it."""
-    bw = link_gbps / 8 * 1e9
+    bw = link_gbs * 1e9
     a, hd = s.act_bytes, args.head_dim
     out: dict[str, float] = {}
     passes = 3 if s.ac_mode in ("full", "full_offload") else 2  # fwd, bwd, and the recompute's fwd
