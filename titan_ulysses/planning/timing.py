@@ -48,15 +48,20 @@ class StepTime:
         return 100 * self.tok_s * self.flops_per_token / self.peak_flops
 
 
-_COUNTED: dict[str, tuple[float, int]] = {}
+_COUNTED: dict[str, float] = {}
 
 
-def _counted(args, seq_len: int) -> tuple[float, int]:
-    """(``metrics/flops.py``'s FLOPs per token, parameters): both build the model on the meta device, once per shape."""
-    key = f"{args!r}@{seq_len}"
+def _counted(args, seq_len: int) -> tuple[float, float]:
+    """(``metrics/flops.py``'s FLOPs per token at ``seq_len``, the parameters the step moves). flops.py builds the
+    model on the meta device to count them: once per shape (at length 0, its matmuls alone; attention is added
+    at each length as flops.py adds it)."""
+    key = repr(args)
     if key not in _COUNTED:
-        _COUNTED[key] = (flops_per_token(args, seq_len), args.num_params())
-    return _COUNTED[key]
+        _COUNTED[key] = flops_per_token(args, 0)
+    matmuls = _COUNTED[key]
+    attention = 3 * 4 * args.n_layers * args.n_heads * args.head_dim * seq_len / 2
+    untied_input = 0 if args.tie_embeddings else args.vocab_size * args.dim
+    return matmuls + attention, matmuls / 6 + untied_input
 
 
 def flop_parts(args, seq_len: int) -> dict[str, float]:
