@@ -299,10 +299,23 @@ def cell_steps(compile_on: bool, precision: str, ac: str, extra: tuple = ()):
                       128 * 1024, steps=(5, 2) if compile_on else (4, 1))
 
 
+def _lazy(module: str, name: str):
+    """A case function of another benchmarks module, imported when it runs (those modules import this one)."""
+    def run(ctx):
+        import importlib
+
+        return getattr(importlib.import_module(f"benchmarks.{module}"), name)(ctx)
+
+    return run
+
+
 K = 1024
 BENCH_CASES = [
     Case("bench_attention", bench_attention_case, 120, 10),
     Case("bench_packed_128k", bench_packed_case, 150, 5),
+    Case("bench_rates", _lazy("planner_cases", "bench_rates"), 60, 5),  # planning/rates.py's figures
+    Case("profile_8b_stages", _lazy("planner_cases", "profile_8b_stages"), 110, 15),  # why stages are faster
+    Case("8b_128k_sim8_compile_bf16_full_offload_snapshot", _lazy("offload_case", "offload_vs_full_snapshot"), 80, 10),
     *[Case(f"8b_128k_sim8_{'compile' if c else 'eager'}_{p}_{ac}",
            train_cell(os.path.join(CONFIGS, "llama3_8b_128k.toml"), c, p, ac, SIM8_ONE_STAGE, 128 * K), 110, 10)
       for c, p, ac in ((True, "bf16", "selective"), (True, "float8", "selective"), (True, "bf16", "full"),
