@@ -48,11 +48,21 @@ class Choice:
         return f"{what}: {speed}, peak {self.memory.total / GIB:.2f} GiB predicted"
 
 
-def _stage_counts(args, layout: Layout) -> list[int]:
-    heads = args.n_heads // (layout.sp * layout.tp) if args.n_heads % (layout.sp * layout.tp) == 0 else 0
-    kv = max(args.n_kv_heads // (layout.sp * layout.tp), 1)
-    return [g for g in (1, 2, 4, 8) if g == 1 or (heads and heads % g == 0 and g <= heads and g % kv == 0 or
-                                                    heads and heads % g == 0 and kv == 1)]
+def _stage_counts(args, layout: Layout, base: Switches) -> list[int]:
+    """The head-stage counts the heads take at this layout (``staged_attention.check_head_stages``); the config's
+    own only where staging is refused whatever the count (tp, LoRA, attention sinks: ``layout_checks.py``)."""
+    from titan_ulysses.distributed.staged_attention import check_head_stages
+
+    if layout.tp > 1 or base.lora_rank or getattr(args, "attn_sinks", False) or args.moe is not None:
+        return [base.head_stages]
+    counts = []
+    for g in sorted({1, 2, 4, 8, base.head_stages}):
+        try:
+            check_head_stages(g, args.n_heads, args.n_kv_heads, layout.sp, layout.tp)
+        except ValueError:
+            continue
+        counts.append(g)
+    return counts
 
 
 def _overrides(base: Switches, s: Switches) -> list[str]:
@@ -71,8 +81,8 @@ def _overrides(base: Switches, s: Switches) -> list[str]:
 
 
 def candidates(args, layout: Layout, base: Switches) -> list[Switches]:
-    """Every combination the search weighs (head stages only where sp > 1 splits the heads evenly into them)."""
-    stages = _stage_counts(args, layout) if layout.sp > 1 and args.moe is None else [base.head_stages]
+    """Every combination the search weighs (the head-stage counts the heads take)."""
+    stages = _stage_counts(args, layout, base)
     tiles = sorted({base.mlp_tile_size, 0, TILE}) if args.moe is None else [0]
     chunks = sorted({base.loss_chunk_size, CHUNK})
     out = []
