@@ -134,6 +134,8 @@ def train_cell(config: str, compile_on: bool, precision: str, ac: str, extra: li
         with tempfile.TemporaryDirectory() as d:
             code, rows, tail = train(ctx, overrides, d, config=config, timeout=400)
         timed = [r for r in rows if r["step"] > warmup]
+        if code and "the predicted peak of this layout" in tail:  # the launch refused it before building the model
+            return {"status": "skipped", "detail": f"refused at launch (planning/oom.py): {tail[-300:]}"}
         if code or not timed:
             status = "fail" if "out of memory" not in tail.lower() else "measured"
             return {"status": status, "detail": f"exit {code}: {'OOM' if status == 'measured' else tail[-300:]}"}
