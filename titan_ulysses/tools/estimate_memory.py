@@ -160,7 +160,8 @@ def measure_cuda_peak(argv: list[str], world: int) -> float:
     from titan_ulysses.trainer import Trainer
 
     extra = ["--comm.mode", "fake", "--comm.fake_world_size", str(world)] if world > 1 else []
-    trainer = Trainer(load_config([*argv, *extra, "--checkpoint.enable", "false"]))
+    trainer = Trainer(load_config([*argv, *extra, "--checkpoint.enable", "false",
+                                   "--training.allow_over_memory_estimate", "true"]))  # measured, not planned
     data = iter(trainer.dataloader)
     trainer.train_step(data)  # the first step allocates the optimizer state
     torch.cuda.synchronize()
