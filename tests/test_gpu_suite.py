@@ -25,16 +25,16 @@ DRY = {
                     "attn_flex_cp4_docs_window_softcap", "attn_sdpa_priority_auto", "multiprocess_one_gpu",
                     "hf_llama_ulysses_bf16",
                     "full_offload_equals_full", "compile_one_step", "float8_rowwise", "trainer_1b_sp1"],
-    "bench": ["bench_attention", "bench_packed_128k", "bench_rates", "profile_8b_stages",
-              "8b_128k_sim8_compile_bf16_full_offload_snapshot"],
+    # (profile_8b_stages is not here: its profile_cell subprocess is first's profile_1b_16k's, 20 s at toy size)
+    "bench": ["bench_attention", "bench_packed_128k", "bench_rates", "8b_128k_sim8_compile_bf16_full_offload_snapshot"],
     "limits": ["estimate_validate_8b_32k", "longest_1b_one_gpu"],
     # its train.py cells only build their command lines in a dry run (benchmarks/perf_ab.py)
     "perf": ["perf_1b_16k_default", "perf_prefetch_off", "perf_sync_free_off", "perf_loss_unchunked",
              "perf_sdpa_order_hd64", "perf_fsdp_one_rank", "perf_liger"],
 }
 # the short parts' own case functions (their other cases are the long parts' functions, run above).
-# second's float8 cell runs train_cell, which headline and peer_1b_16k run here too (its offload case, and rest's
-# rates and profile of the stages, are bench's too: they run above); rest's
+# second's float8 cell runs train_cell, which headline and peer_1b_16k run here too (its offload case and rest's
+# rates are bench's too: they run above); rest's
 # limits_6m_staged_two_layers_1m runs _trial (longest_1b_one_gpu above) and _estimate_gib (headline).
 DRY_SHORT = {
     "first": ["features_multirank", "families_bf16", "peer_1b_16k", "profile_1b_16k",
