@@ -77,7 +77,8 @@ def main(spec: dict) -> dict:
             times = _steps(model, step_input, spec["steps"], cuda, autocast=kind == "plain")
             step_s = statistics.median(times[spec["warmup"]:] or times)
             out[kind] = {"step_s": step_s, "tok_s": spec["seq_len"] / step_s,
-                         "peak_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None}
+                         "peak_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+                         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
             del model
             if cuda:
                 torch.cuda.empty_cache()

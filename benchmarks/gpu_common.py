@@ -91,7 +91,8 @@ def train(ctx, overrides: list[str], dump: str, config: str = DEBUG, nproc: int 
     if code:  # the whole story goes to the suite's log; the row gets the error line
         print(f"---- train.py exit {code}: {' '.join(overrides)}\n" + "\n".join(out.splitlines()[-60:]),
               file=sys.stderr, flush=True)
-        errors = [ln.strip() for ln in out.splitlines() if re.match(r"^\s*[\w.]*(Error|Exception)\b", ln)]
+        errors = [ln.strip() for ln in out.splitlines()
+                  if re.match(r"^\s*([\w.]*(Error|Exception)\b|config error: |out of memory: )", ln)]
         out = "\n".join(errors[-1:] + out.strip().splitlines()[-2:])
     path = os.path.join(dump, "metrics.jsonl")
     rows = []

@@ -69,7 +69,7 @@ def _best(run, modes) -> tuple[str | None, dict]:
 
 
 def peer_1b_16k(ctx):
-    ours_modes, peer_modes = (["full"], ["full"]) if ctx.dry_run else (["none", "selective", "full"], ["none", "full"])
+    ours_modes, peer_modes = (["full"], ["full"]) if ctx.dry_run else (["none", "full"], ["none", "full"])
     ours_full, peer_full = _ours(ctx, "full"), _peer(ctx, "full")
     liger_full = _peer(ctx, "full", liger=True)
     for side, r in (("ours", ours_full), ("peer", peer_full), ("liger", liger_full)):

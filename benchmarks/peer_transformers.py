@@ -108,6 +108,7 @@ def run_peer(config_argv: list[str], seq_len: int, ac: str, compile_on: bool, st
     return {"oom": False, "ac": ac, "compile": compile_on, "seq_len": seq_len, "tok_s": tok_s, "step_s": step_s,
             "mfu_pct": 100 * tok_s * flops_per_token(args, seq_len) / peak if peak else None,
             "peak_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None, "losses": losses,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "device": torch.cuda.get_device_name(device) if cuda else "CPU", "torch": torch.__version__,
             "liger": liger}
 

@@ -56,6 +56,7 @@ def main(spec: dict) -> int:
         prof.export_chrome_trace(spec["trace"])
     if cuda:
         summary["peak_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        summary["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     print("PROFILE " + json.dumps(summary), flush=True)
     return 0
 

@@ -1,7 +1,7 @@
 """The GPU suite: every CUDA path checked and every performance target measured.
 
     bash scripts/gpu_wheels.sh                      # here, once: wheels the GPU machine lacks -> .whl/
-    python scripts/gpu_suite.py --part first --out DIR     # what proves the most: 540 s on an H100
+    python scripts/gpu_suite.py --part first --out DIR     # what proves the most: 450 s on an H100
     python scripts/gpu_suite.py --part second --out DIR    # what did not fit: 180 s on a started machine
     python scripts/gpu_suite.py --part perf --out DIR      # A/B cells of the step (benchmarks/perf_ab.py): 300 s
     python scripts/gpu_suite.py --part correctness --out DIR
@@ -111,7 +111,7 @@ def run_part(part: str, cases: list[Case], ctx: Context, header: dict) -> list[d
 
 
 OVERHEAD_S = 15  # the wheel install and the suite's own start (imports, CUDA context), before the first case
-BUDGETS = {"first": 540.0, "second": 180.0, "rest": 500.0, "perf": 300.0}
+BUDGETS = {"first": 450.0, "second": 180.0, "rest": 500.0, "perf": 300.0}
 
 
 def _by_name(*lists) -> dict:
@@ -119,18 +119,22 @@ def _by_name(*lists) -> dict:
 
 
 def short_parts() -> dict[str, list[Case]]:
-    """What proves the most per second of a 15-minute GPU window. ``first`` (planned within 540 s on
+    """What proves the most per second of a 15-minute GPU window. ``first`` (planned within 450 s on
     an H100, wheel install and compile warm-up included): the kernels ``"auto"`` picks, compile
     against eager in one step, the pinned-stager save and resume, packed documents without a dense
     mask, cp's per-chunk kernel, head stages and LoRA on ranks sharing the GPU, every family's bf16
-    logits against transformers; then our 1B step at 16K against the transformers loop and its
-    profile (``benchmarks/peer_profile.py``), the loss backends side by side (``perf_loss``) and the headline
-    8B step with its memory estimate.
-    ``second`` (within 180 s on a started machine): float8 and ``full_offload`` against the first
-    part's cells, the 128K packed-documents row. ``rest``: what fits neither (the 6M limits point,
-    the head stages' cost and a transformers Llama under ``apply_ulysses`` in bf16 among them). ``perf`` (``benchmarks/perf_ab.py``): the A/B cells."""
+    logits against transformers, a transformers Llama under ``apply_ulysses`` in bf16; then our 1B step at
+    16K against the transformers loop (with and without Liger-Kernel) and its profile
+    (``benchmarks/peer_profile.py``), the loss backends side by side (``perf_loss``), and the headline 8B
+    step in the layout the planner finds fastest on this GPU, with its prediction and memory estimate.
+    ``second`` (within 180 s on a started machine): float8 against the first part's cells, ``full_offload``
+    against ``full`` with a memory snapshot, the 128K packed-documents row. ``rest``: what fits neither (compile
+    against eager and the pinned-stager resume, both passed in earlier windows; the 6M limits point, the head
+    stages' cost and their profile, the step-time model's rates among them). ``perf`` (``benchmarks/perf_ab.py``): the A/B cells."""
     from benchmarks import gpu_perf
     from benchmarks.headline import headline_8b, limits_6m_two_layers
+    from benchmarks.offload_case import offload_vs_full_snapshot
+    from benchmarks.planner_cases import bench_rates, profile_8b_stages
     from benchmarks.peer_profile import peer_1b_16k, profile_1b_16k
     from benchmarks.perf_loss import perf_loss
     from gpu import correctness
@@ -142,36 +146,41 @@ def short_parts() -> dict[str, list[Case]]:
     # estimates: the 2026-11-26 H200 run's seconds (docs/gpu_runs/) with a margin for an H100's slower memory
     first = [
         Case("attn_sdpa_priority_auto", known["attn_sdpa_priority_auto"].fn, 12, 2),
-        Case("compile_one_step", correctness.compile_one_step_modes(("selective", "full_offload")), 30, 20),
-        Case("checkpoint_async_pinned_resume", known["checkpoint_async_pinned_resume"].fn, 45, 30),
         Case("attn_sdpa_docs_window_softcap", known["attn_sdpa_docs_window_softcap"].fn, 5, 3),
         Case("attn_sdpa_lower_right_cp", known["attn_sdpa_lower_right_cp"].fn, 5, 2),
         Case("features_multirank", features_multirank, 30, 40),
-        Case("moe_grouped_mm_bf16", moe_grouped_mm, 10, 3),
         Case("families_bf16", families_bf16, 15, 10),
-        Case("attn_flash_attn_docs_window_softcap", known["attn_flash_attn_docs_window_softcap"].fn, 5, 1),
+        known["hf_llama_ulysses_bf16"],  # issue 37: a transformers model under apply_ulysses, bf16 (never on a GPU)
         # where the step stands (issue 40): against the transformers loop, 2-4 compiled 1B runs a
         # side (estimates: about 35 s each, not yet measured), then where its time goes
-        Case("peer_1b_16k", peer_1b_16k, 210, 30),  # + the Liger column (issue 47): two more peer runs
+        Case("peer_1b_16k", peer_1b_16k, 180, 30),  # 6 runs: ours, the peer and the peer with Liger, AC none and full
         Case("profile_1b_16k", profile_1b_16k, 45, 30),
         Case("perf_loss", perf_loss, 40, 5),  # issue 47: every loss backend at two shapes (benchmarks/perf_loss.py)
-        Case("headline_8b_128k_sim8_compile_bf16_selective", headline_8b, 65, 15),
+        Case("headline_8b_128k_sim8_planned", headline_8b, 65, 15),  # the planner's fastest layout that fits
     ]
     second = [  # against the first part's cells on the same started machine
         Case("8b_128k_sim8_compile_float8_selective", cell_steps(True, "float8", "selective"), 65, 10),
-        Case("8b_128k_sim8_compile_bf16_full_offload", cell_steps(True, "bf16", "full_offload"), 65, 10),
+        # issue 44: offload's peak against full's, with a CUDA memory snapshot of what it holds
+        Case("8b_128k_sim8_compile_bf16_full_offload_snapshot", offload_vs_full_snapshot, 65, 10),
         Case("bench_packed_128k", known["bench_packed_128k"].fn, 35, 5),
     ]
     # moved out of first for the peer and profile cases (2026-11-27): the 6M limits point, flex's
     # packed-documents check and the head stages' cost (the compiled AC-full step, plain and in 4
     # stages; found a per-layer recompile on 2026-11-26)
-    rest = [Case("limits_6m_staged_two_layers_1m", limits_6m_two_layers, 55, 15),
+    # compile against eager and the pinned-stager resume moved here for perf_loss and the Liger peer (2026-11-28):
+    # first stays within its 450 s
+    rest = [Case("compile_one_step", correctness.compile_one_step_modes(("selective", "full_offload")), 30, 20),
+            Case("checkpoint_async_pinned_resume", known["checkpoint_async_pinned_resume"].fn, 45, 30),
+            Case("limits_6m_staged_two_layers_1m", limits_6m_two_layers, 55, 15),
             Case("attn_flex_docs_window_softcap", known["attn_flex_docs_window_softcap"].fn, 25, 5),
             Case("8b_128k_sim8_compile_bf16_full", cell_steps(True, "bf16", "full"), 65, 10),
             Case("8b_128k_sim8_compile_bf16_full_stages4",
                  cell_steps(True, "bf16", "full", ["--parallelism.ulysses_head_stages", "4"]), 65, 10),
             known["attn_flex_cp4_docs_window_softcap"], known["attn_flash_attn_cp4_docs_window"],
-            known["hf_llama_ulysses_bf16"],  # issue 37: a transformers model under apply_ulysses, bf16
+            Case("moe_grouped_mm_bf16", moe_grouped_mm, 10, 3),
+            Case("attn_flash_attn_docs_window_softcap", known["attn_flash_attn_docs_window_softcap"].fn, 5, 1),
+            Case("bench_rates", bench_rates, 60, 10),  # the step-time model's rates (planning/rates.py)
+            Case("profile_8b_stages", profile_8b_stages, 110, 30),  # why head stages are faster
             Case("8b_128k_sim8_eager_bf16_full", cell_steps(False, "bf16", "full"), 45, 10),
             Case("8b_128k_sim8_eager_bf16_full_offload", cell_steps(False, "bf16", "full_offload"), 45, 10)]
     return {"first": first, "second": second, "rest": rest}

@@ -63,6 +63,8 @@ def overrides_for(path: str, stand_ins: dict, dump: str) -> list[str]:
         out += ["--model.hf_assets_path", os.path.join(ROOT, hf.group(1)), "--model.tokenizer_path", stand_ins["hf"]]
     elif hf:
         out += ["--model.hf_assets_path", stand_ins["hf"]]
+        if re.search(r"^ulysses_head_stages\s*=", text, flags=re.M):  # the 8B's 32 heads' stages; the stand-in's
+            out += ["--parallelism.ulysses_head_stages", "1"]  # 8 heads give one per rank of sp=8
     if re.search(r"^tokenizer_path\s*=", text, flags=re.M):
         out += ["--model.tokenizer_path", stand_ins["tiktoken"]]
     named = re.search(r"^dataset_path\s*=\s*\"([^\"]*)\"", text, flags=re.M)

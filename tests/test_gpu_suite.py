@@ -25,7 +25,8 @@ DRY = {
                     "attn_flex_cp4_docs_window_softcap", "attn_sdpa_priority_auto", "multiprocess_one_gpu",
                     "hf_llama_ulysses_bf16", "loss_fused_bf16",
                     "full_offload_equals_full", "compile_one_step", "float8_rowwise", "trainer_1b_sp1"],
-    "bench": ["bench_attention", "bench_packed_128k"],
+    # (profile_8b_stages is not here: its profile_cell subprocess is first's profile_1b_16k's, 20 s at toy size)
+    "bench": ["bench_attention", "bench_packed_128k", "bench_rates", "8b_128k_sim8_compile_bf16_full_offload_snapshot"],
     "limits": ["estimate_validate_8b_32k", "longest_1b_one_gpu"],
     # its train.py cells only build their command lines in a dry run (benchmarks/perf_ab.py)
     "perf": ["perf_1b_16k_default", "perf_prefetch_off", "perf_sync_free_off", "perf_loss_materialized",
@@ -33,11 +34,12 @@ DRY = {
              "perf_sdpa_order_hd64", "perf_fsdp_one_rank", "perf_liger"],
 }
 # the short parts' own case functions (their other cases are the long parts' functions, run above).
-# second's cell runs train_cell, which headline and peer_1b_16k run here too; rest's
+# second's float8 cell runs train_cell, which headline and peer_1b_16k run here too (its offload case and rest's
+# rates are bench's too: they run above); rest's
 # limits_6m_staged_two_layers_1m runs run_trial (longest_1b_one_gpu above) and _estimate_gib (headline).
 DRY_SHORT = {
-    "first": ["features_multirank", "moe_grouped_mm_bf16", "families_bf16", "peer_1b_16k", "profile_1b_16k", "perf_loss",
-              "headline_8b_128k_sim8_compile_bf16_selective"],
+    "first": ["features_multirank", "families_bf16", "peer_1b_16k", "profile_1b_16k", "perf_loss",
+              "headline_8b_128k_sim8_planned"],
 }
 # CUDA-only kernels and packages the CPU machine lacks: the only skips a dry run may report
 MAY_SKIP = {"attn_sdpa_cudnn": "CUDA kernel", "attn_flash_attn_pkg": "not installed",
@@ -76,14 +78,13 @@ def test_short_parts_dry_run(tmp_path, part):
 
 
 def test_short_parts_fit_their_gpu_windows():
-    """first: 540 s on an H100 (wheel install and start-up included; 450 s until issue 47 added perf_loss, 40 s,
-    and peer_1b_16k's Liger column, two more peer runs: 532 s planned, with a machine's start about 12 minutes
-    of a 15-minute window); second: 180 s on a started machine; perf: 300 s.
+    """first: 450 s on an H100 (wheel install and start-up included: with a machine's start about 10 minutes of a
+    15-minute window, room for second); second: 180 s on a started machine; perf: 300 s.
     Planned from each case's estimate; every case is a name the part's report will show."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import gpu_suite
 
-    limits = {"first": 540, "second": 180, "perf": 300}
+    limits = {"first": 450, "second": 180, "perf": 300}
     for part, limit in limits.items():
         cases = gpu_suite.parts()[part]
         assert 0 < gpu_suite.planned_s(part, cases) <= limit, (part, gpu_suite.planned_s(part, cases))

@@ -142,24 +142,35 @@ def check_launch(config: JobConfig) -> tuple[ParallelDims, RunSpec, str | None]:
     return dims, spec, note
 
 
+def device_total_memory(device) -> tuple[float, str] | None:
+    """(bytes, name) of ``device``'s memory; None where the planner has nothing to compare (a CPU)."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return float(props.total_memory), props.name
+
+
 def check_device(config: JobConfig, dims: ParallelDims, device, args=None) -> None:
-    """The checks that need this rank's device, once it has joined the job: what the attention
-    backend cannot do on it (refused), and on CUDA rank 0's warning when the memory estimate
-    exceeds the device."""
+    """The checks that need this rank's device, once it has joined the job and before the model is built: what
+    the attention backend cannot do on it, and a layout whose predicted peak exceeds the device's memory
+    (``planning/oom.py``; every rank finds the same; ``training.allow_over_memory_estimate`` makes it rank 0's
+    warning)."""
     try:
         check_attention_settings(config.model.attn_backend, config.model.sdpa_backends, dims.cp, device.type)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    if device.type == "cuda" and dist.get_rank() == 0:
-        from titan_ulysses.planning.recommend import memory_warning  # the planner only when it may speak
+    memory = device_total_memory(device)
+    if memory is not None:
+        from titan_ulysses.planning.oom import launch_refusal  # the planner only when it may speak
 
-        total = torch.cuda.get_device_properties(device).total_memory
-        warning = memory_warning(config, dims, dist.get_world_size(), total, args)
-        if warning:
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        refusal = launch_refusal(config, dims, memory[0], args, memory[1])
+        if refusal and not config.training.allow_over_memory_estimate:
+            raise ConfigError(refusal)
+        if refusal and dist.get_rank() == 0:
+            print(f"warning (training.allow_over_memory_estimate): {refusal}", file=sys.stderr, flush=True)
 
 
-def plan(config: JobConfig, world_size: int, device_gib: float | None = None) -> str:
+def plan(config: JobConfig, world_size: int, device_gib: float | None = None, device_name: str | None = None) -> str:
     """Every pre-launch check for ``world_size`` ranks, then the plan (``planning/dry_run.py``) as text, or a
     ConfigError / DataError."""
     resolve_hf_assets(config)  # a Hub id -> its snapshot folder (downloaded unless HF_HUB_OFFLINE)
@@ -175,7 +186,7 @@ def plan(config: JobConfig, world_size: int, device_gib: float | None = None) ->
     check_resume(config, spec.args)  # as a launch: a checkpoint of other settings is refused, not resumed
     from titan_ulysses.planning import dry_run  # here: a launch imports this module, and needs no planner
 
-    return dry_run.describe(config, world_size, dims, spec, _datasets(config), device_gib, record_note)
+    return dry_run.describe(config, world_size, dims, spec, _datasets(config), device_gib, record_note, device_name)
 
 
 def _datasets(config: JobConfig) -> list[tuple[str, str, str]]:

@@ -4,7 +4,7 @@ installed `titan-train` (one process) run the same ``cli``. The repository's tra
 
 `python train.py --help` lists every setting with its default and docstring; `--help SECTION` one section's.
 
-`python train.py --config X --dry-run --world-size N [--device-memory-gib G] [--section.key value ...]`
+`python train.py --config X --dry-run --world-size N [--device-memory-gib G] [--device-name H100|H200] [...]`
 runs every check a launch makes for N ranks, without a process group, prints the plan and
 exits 0, or prints the one-line refusal and exits 2 (``titan_ulysses/preflight.py``'s ``plan``).
 
@@ -51,7 +51,7 @@ warnings.filterwarnings("ignore", message=".*set_vital.*")
 EXIT_REFUSED = 2
 EXIT_FAILED = 1  # a run that started and failed in a way it explains in one line (a checkpoint save)
 RANK0_FIRST_S = 3.0
-DRY_RUN_OPTIONS = {"--world-size": int, "--device-memory-gib": float}  # only with --dry-run
+DRY_RUN_OPTIONS = {"--world-size": int, "--device-memory-gib": float, "--device-name": str}  # only with --dry-run
 
 
 def dry_run_options(argv: list[str]) -> tuple[list[str], dict | None]:
@@ -72,7 +72,7 @@ def dry_run_options(argv: list[str]) -> tuple[list[str], dict | None]:
                 options[name] = DRY_RUN_OPTIONS[name](value)
             except ValueError:
                 options[name] = None
-            if options[name] is None or options[name] <= 0:
+            if options[name] is None or (not isinstance(options[name], str) and options[name] <= 0):
                 raise ConfigError(f"{name} expects a positive {DRY_RUN_OPTIONS[name].__name__}, got {value!r}")
         else:
             rest.append(argv[i])
@@ -82,7 +82,8 @@ def dry_run_options(argv: list[str]) -> tuple[list[str], dict | None]:
     if "dry_run" not in options:
         raise ConfigError(f"{next(iter(options))} is an option of --dry-run; under torchrun the launcher sets the "
                           f"world size")
-    return rest, {"world_size": options.get("--world-size", 1), "device_gib": options.get("--device-memory-gib")}
+    return rest, {"world_size": options.get("--world-size", 1), "device_gib": options.get("--device-memory-gib"),
+                  "device_name": options.get("--device-name")}
 
 
 def tell_launcher(line: str) -> None:
@@ -121,7 +122,7 @@ def main(argv: list[str]) -> int:
         if dry is not None:
             from titan_ulysses.preflight import plan
 
-            print(plan(config, dry["world_size"], dry["device_gib"]), flush=True)
+            print(plan(config, dry["world_size"], dry["device_gib"], dry["device_name"]), flush=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             return 0
@@ -148,8 +149,17 @@ def main(argv: list[str]) -> int:
                 signal.signal(sig, lambda signum, frame: os._exit(0))
             time.sleep(RANK0_FIRST_S)
         return EXIT_REFUSED
+    import torch
+
     try:
         trainer.train()
+    except torch.OutOfMemoryError as e:  # every rank: one line (phase, asked and free, the prediction, what fits)
+        from titan_ulysses.planning.oom import oom_line
+
+        line = oom_line(e, trainer.config, trainer.parallel_dims, trainer.spec.args, trainer.step + 1)
+        print(f"out of memory: {line}", file=sys.stderr, flush=True)
+        tell_launcher(f"out of memory: {line}")
+        return EXIT_FAILED
     except SaveFailedError as e:  # every rank's save failed: one line (where, space needed and free, what to do)
         import torch.distributed as dist
 

@@ -168,6 +168,9 @@ class Training:
     log, save or validate, else one step late: an ordinary step never waits. false: read before each update."""
     gc_freq: int = 50
     """Python garbage collection only between steps, every this many steps; 0: Python's automatic one."""
+    allow_over_memory_estimate: bool = False
+    """Launch even when the planner's memory estimate of this layout exceeds the device (refused by default,
+    before the model is built: docs/memory.md); for a layout you have measured to fit."""
     mixed_precision_param: str = "bfloat16"
     """Dtype parameters are gathered in for compute: bfloat16 or float32."""
     mixed_precision_reduce: str = "float32"

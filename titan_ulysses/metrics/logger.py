@@ -23,6 +23,12 @@ def max_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def max_memory_allocated_gib(device: torch.device) -> float | None:
+    """Peak allocated accelerator memory (what the planner's estimate models; the reserved peak adds the caching
+    allocator's reserve), or None off CUDA."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
 class MetricsLogger:
     """``settings`` is the ``[metrics]`` section (None: console and metrics.jsonl only);
     ``run_config`` the job's config as a dict (W&B records it); ``resumed``: the training run

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from titan_ulysses.metrics.comm import context_parallel_bytes_per_step, ulysses_bytes_per_step
 from titan_ulysses.metrics.flops import flops_per_token, peak_flops
-from titan_ulysses.metrics.logger import max_memory_gib
+from titan_ulysses.metrics.logger import max_memory_allocated_gib, max_memory_gib
 from titan_ulysses.metrics.progress import RunProgress
 from titan_ulysses.metrics.system import system_metrics
 
@@ -65,6 +65,7 @@ class StepLog:
         line = {
             "step": step, **out, "lr": lr, "tokens_per_sec_per_device": tps,
             "mfu": mfu, "max_memory_gib": max_memory_gib(self.device),
+            **({"max_memory_allocated_gib": allocated} if (allocated := max_memory_allocated_gib(self.device)) else {}),
             "trainable_params": self.trainable_params, "params": self.total_params,
             "a2a_gib_per_step": self.a2a_bytes / 2**30,
             "a2a_model_sec": self.a2a_bytes / self.link_bytes_per_sec,

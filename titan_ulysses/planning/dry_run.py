@@ -10,10 +10,13 @@ out only later, returned as the plan's text (model, layout, data, memory by phas
   cannot); the corpus itself is tokenized at launch, not here (that can take hours);
 * the memory estimate (``planning/estimate.py``) against the device memory: this
   machine's GPU, ``--device-memory-gib``, or on a machine without a GPU an 80 GiB H100
-  (``DEFAULT_DEVICE_GIB``, as ``scripts/estimate_memory.py``). A launch only warns when the
-  estimate exceeds the device; the dry run refuses, naming the AC mode or offload that fits at
-  this layout and the layout and switches that fit. The plan says which GPUs (H100, H200) the
-  estimate fits (``recommend.devices_that_fit``).
+  (``DEFAULT_DEVICE_GIB``, as ``scripts/estimate_memory.py``). The dry run and the launch refuse a
+  layout whose prediction (``planning/device_fit.py``: the estimate plus a measured cell's excess) exceeds
+  the device, naming what fits (``planning/oom.py``). The plan says which GPUs (H100, H200) the
+  estimate fits (``recommend.devices_that_fit``);
+* the step time, tok/s and MFU the step-time model predicts on the device (``--device-name``, this
+  machine's GPU, or the listed device nearest its memory: ``planning/rates.py``), and the fastest
+  switches that fit it at this layout (``planning/fastest.py``).
 
 The plan is for CUDA devices (a launch on a CPU machine also refuses attention backends
 other than sdpa). Every refusal is a ``ConfigError`` or ``DataError`` of one line.
@@ -58,7 +61,7 @@ def device_memory(gib: float | None) -> tuple[float, str]:
 
 
 def describe(config: JobConfig, world_size: int, dims, spec, datasets: list[tuple[str, str, str]],
-             device_gib: float | None = None, note: str | None = None) -> str:
+             device_gib: float | None = None, note: str | None = None, device_name: str | None = None) -> str:
     """The plan of a config that passed the pre-flight, as text; a ConfigError / DataError for what only a launch
     would find (the memory beyond the device, a data sample the run would refuse). ``spec``: the run's
     (``run_spec.RunSpec``: model, tokenizer, overrides); ``datasets``: (name, kind, path) of each dataset the
@@ -70,7 +73,7 @@ def describe(config: JobConfig, world_size: int, dims, spec, datasets: list[tupl
     lines += _layout(config, dims, args)
     lines += [_data(config, tokenizer, kind, path, name)
               for name, kind, path in datasets]
-    lines += _memory(config, dims, device_gib, args)
+    lines += _memory(config, dims, device_gib, args, device_name)
     lines += _saves(config)
     notes = [f"override: {o}" for o in spec.overrides] + [f"note: {n}" for n in (*spec.notes, note) if n]
     return "\n".join(lines + notes)
@@ -156,8 +159,14 @@ def _encoder(config: JobConfig, tokenizer, kind: str):
     return TextEncoder(tokenizer)
 
 
-def _memory(config: JobConfig, dims, device_gib: float | None, args) -> list[str]:
-    """The estimate by phase; a ConfigError naming what fits when it exceeds the device."""
+def _memory(config: JobConfig, dims, device_gib: float | None, args, device_name: str | None = None) -> list[str]:
+    """The estimate by phase, the predicted peak and step time on the device, the fastest switches that fit it;
+    a ConfigError naming what fits when the prediction exceeds the device."""
+    from titan_ulysses.planning.fastest import fastest
+    from titan_ulysses.planning.oom import launch_refusal
+    from titan_ulysses.planning.rates import device_rates, kernel_of
+    from titan_ulysses.planning.timing import step_time
+
     device, where = device_memory(device_gib)
     args, layout, switches = from_config(config, dims, args)
     t = config.training
@@ -165,6 +174,13 @@ def _memory(config: JobConfig, dims, device_gib: float | None, args) -> list[str
     warning = memory_warning(config, dims, dims.world_size, device, args)
     if warning:
         raise ConfigError(warning)
+    try:
+        rates = device_rates(device_name or _this_gpu(), device / GIB)
+    except ValueError as e:
+        raise ConfigError(f"--device-name: {e}") from e
+    refusal = launch_refusal(config, dims, device, args, rates.device)
+    if refusal and not t.allow_over_memory_estimate:
+        raise ConfigError(refusal)
     phases = ", ".join(f"{name} {b / GIB:.2f}" for name, b in est.phases.items())
     lines = [f"memory per device (estimate): {est.total / GIB:.2f} GiB at {est.peak_phase}, of {where}; "
              f"by phase (GiB): {phases}" + ("; experts' routing counted balanced" if args.moe is not None else ""),
@@ -172,7 +188,27 @@ def _memory(config: JobConfig, dims, device_gib: float | None, args) -> list[str
     if est.host_offloaded:
         lines.append(f"host memory per rank (estimate): {est.host_offloaded / GIB:.2f} GiB (FSDP CPU offload's states, "
                      f"full_offload's block inputs)")
+    fake, compiled = config.comm.mode == "fake", config.compile.enable
+    precision, kernel = "float8" if config.float8.enable else "bf16", kernel_of(config.model.attn_backend)
+    from titan_ulysses.planning.device_fit import predicted
+
+    pred = predicted(args, layout, switches, t.seq_len, t.local_batch_size, compiled, rates.device)
+    lines.append(f"predicted peak on an {rates.device}: {pred.total / GIB:.2f} GiB ({pred.note()})")
+    time = step_time(args, layout, switches, t.seq_len, rates, t.local_batch_size, compiled, precision, kernel,
+                     simulated=fake, link_gbs=config.comm.link_bandwidth_gbps or None)
+    lines.append(f"step time (predicted, an {rates.device}, planning/timing.py): {time.total:.2f} s per microbatch, "
+                 f"{time.tok_s:,.0f} tok/s per device, {time.mfu_pct:.1f}% MFU, {kernel} attention"
+                 + ("; a simulated rank: no traffic" if fake else ""))
+    best = fastest(args, layout, switches, t.seq_len, t.local_batch_size, rates, device, compiled, fake, precision,
+                   kernel)
+    lines.append("fastest that fits: " + (best.line() if best else f"nothing at this layout fits {where}"))
     return lines
+
+
+def _this_gpu() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 def _saves(config: JobConfig) -> list[str]:

@@ -106,62 +106,99 @@ def _loss_transients(args: DecoderArgs, s: Switches, tokens: float) -> tuple[flo
     return chunk, backward, weight_grad, kept
 
 
+class _Step:
+    """The sizes one estimate shares between its steps (bytes unless named otherwise; notation:
+    docs/memory_model.md). Filled in order by ``_states``, ``_kept``, ``_working_sets``, ``_loss_and_root``."""
+
+    def __init__(self, args: DecoderArgs, layout: Layout, s: Switches, seq_len: int, local_batch: int):
+        self.args, self.layout, self.s, self.a = args, layout, s, s.act_bytes
+        self.tokens = local_batch * seq_len / (layout.sp * layout.cp)  # T
+        self.d, self.q, self.kv, self.qa, self.kva_held, self.kva, self.f = widths(args, layout, s.act_bytes == 4)
+        if args.moe is not None and not args.moe_dense_layers:  # no dense MLP: the experts' terms are moe_terms.py's
+            self.f = 0
+        self.n = layout.dp_shard * layout.cp * layout.sp
+
+
 def estimate(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, local_batch: int = 1) -> Estimate:
     """The memory of one rank for a step of ``local_batch`` sequences of ``seq_len`` tokens."""
     if args.moe is not None and not args.moe_dense_layers:  # experts are never tiled: no MLP to tile
         switches = dataclasses.replace(switches, mlp_tile_size=0)
-    s, a = switches, switches.act_bytes
-    tokens = local_batch * seq_len / (layout.sp * layout.cp)  # T
-    d, q, kv, qa, kva_held, kva, f = widths(args, layout, s.act_bytes == 4)
-    if args.moe is not None and not args.moe_dense_layers:  # no dense MLP: the experts' terms are moe_terms.py's
-        f = 0
-    n = layout.dp_shard * layout.cp * layout.sp
+    c = _Step(args, layout, switches, seq_len, local_batch)
+    _states(c)
+    _kept(c)
+    _working_sets(c)
+    _loss_and_root(c)
+    phases = _phases(c)
+    return Estimate(
+        unsharded_working_params=float(c.working), saved_activations=c.saved, layer_recompute=c.recompute,
+        attention_working_set=c.attention_ws, mlp_working_set=float(c.mlp_ws),
+        logits=float(max(c.loss_fwd, c.loss_bwd)), host_offloaded=c.host,
+        loss_weight_gradient=float(c.loss_weight_grad), reduce_scatter=float(c.rs_block),
+        root_gradients=float(c.root_grads), norm_working_set=float(c.norm_bwd),
+        phases={k: float(v) for k, v in phases.items()}, **c.states,
+    )
+
+
+def _states(c: _Step) -> None:
+    """Parameters, gradients and optimizer state, on the device and (FSDP CPU offload) on the host."""
+    args, layout, s, a, d = c.args, c.layout, c.s, c.a, c.d
     # one block's parameters on a tp rank, and those a rank gathers (a mixture of experts: its E / ep experts)
-    block, gathered = block_params(args, layout, d, q, kv, f)
-    other = args.vocab_size * d * (1 if args.tie_embeddings else 2) + d
-    shard = (args.n_layers * block + other) / n
+    c.block, c.gathered = block_params(args, layout, d, c.q, c.kv, c.f)
+    c.other = args.vocab_size * d * (1 if args.tie_embeddings else 2) + d
+    shard = (args.n_layers * c.block + c.other) / c.n
     states = {"parameters": 4 * shard, "gradients": 4 * shard, "optimizer": 8 * shard}
-    trained = block  # parameters of a block that have gradients
+    c.trained = c.block  # parameters of a block that have gradients
     if s.lora_rank:  # the frozen base in the compute dtype; the adapters alone train: rank x (in + out) each
-        trained = s.lora_rank * (2 * (d + q) + 2 * (d + kv) + 3 * (d + f))
-        lora_shard = args.n_layers * trained / n
+        c.trained = s.lora_rank * (2 * (d + c.q) + 2 * (d + c.kv) + 3 * (d + c.f))
+        lora_shard = args.n_layers * c.trained / c.n
         states = {"parameters": a * shard + 4 * lora_shard, "gradients": 4 * lora_shard, "optimizer": 8 * lora_shard}
-    host_states = dict.fromkeys(states, 0.0)  # FSDP CPU offload's, in host memory
+    c.host_states = dict.fromkeys(states, 0.0)  # FSDP CPU offload's, in host memory
     if s.cpu_offload:
-        host_states, states = states, host_states
-    block_grad = states["gradients"] and 4 * trained / n  # one block's sharded fp32 gradient (0 when offloaded)
-    per_layer = family_layer_bytes(args, layout, s, s.ac_mode)
+        c.host_states, states = states, c.host_states
+    c.states = states
+    c.block_grad = states["gradients"] and 4 * c.trained / c.n  # one block's sharded fp32 gradient (0 when offloaded)
+
+
+def _kept(c: _Step) -> None:
+    """What forward keeps for backward (saved), what a layer's recompute holds, and what offload puts on the host."""
+    args, layout, s, a, d, tokens = c.args, c.layout, c.s, c.a, c.d, c.tokens
+    c.per_layer = family_layer_bytes(args, layout, s, s.ac_mode)
     # token ids, the root's fp32 RoPE tables (cos and sin, [T, Dh/2] each), the final norm's input and scale, its output
     head = tokens * (8 + 4 * args.head_dim + (a * d + 4) + a * d)
-    k = groups.group_size(s.ac_mode, s.ac_layers_per_checkpoint)
+    c.k = k = groups.group_size(s.ac_mode, s.ac_layers_per_checkpoint)
     inputs = groups.kept_inputs(args.n_layers, k)  # block inputs forward keeps: one per group
-    saved = args.n_layers * per_layer * tokens + head
+    c.saved = args.n_layers * c.per_layer * tokens + head
     if s.ac_mode == "full":
-        saved -= (args.n_layers - inputs) * a * d * tokens
-    rope_held = 4 * args.head_dim * tokens if k > 1 else 0.0  # the RoPE-sized term from the loss's backward on
-    earlier_host = host_states["gradients"] if s.microbatches > 1 else 0.0
-    host = groups.host_bytes(host_states["parameters"], host_states["gradients"], host_states["optimizer"],
-                             earlier_host, inputs * a * d * tokens if s.ac_mode == "full_offload" else 0.0)
+        c.saved -= (args.n_layers - inputs) * a * d * tokens
+    c.rope_held = 4 * args.head_dim * tokens if k > 1 else 0.0  # the RoPE-sized term from the loss's backward on
+    earlier_host = c.host_states["gradients"] if s.microbatches > 1 else 0.0
+    c.host = groups.host_bytes(c.host_states["parameters"], c.host_states["gradients"], c.host_states["optimizer"],
+                               earlier_host, inputs * a * d * tokens if s.ac_mode == "full_offload" else 0.0)
     full_set = family_layer_bytes(args, layout, s, "none")
     # what the layer's backward holds: its full set, of which the mode kept per_layer (selective keeps
     # tensors the full set does not -- the projections' outputs -- but they are released as the recompute
     # consumes them; with cp, the gathered K/V stay beside the prefixes recomputed from them)
-    recompute = 0.0 if s.ac_mode == "none" else max(full_set - per_layer, 0.0) * tokens
-    released, floor = 0.0, 0.0  # what the layer's recompute frees of its own saved tensors before the working sets
+    c.recompute = 0.0 if s.ac_mode == "none" else max(full_set - c.per_layer, 0.0) * tokens
+    c.released, c.floor = 0.0, 0.0  # what the layer's recompute frees of its own saved tensors before the working sets
     if s.ac_mode == "selective" and s.head_stages > 1:
         # staged: the cache holds every stage's outputs; the recompute holds the norms' outputs and the MLP's
         # input (untiled: its SiLU and product too) and frees the stages' shares of the layer output as it sums them
         kept = stage_kept_per_token(args, layout, s) + a * d + (a * args.head_dim if a < 4 else 0)
-        recompute = max(full_set - kept - (0 if s.mlp_tile_size else 2 * a * f), 0.0) * tokens
-        released = s.head_stages * a * d * tokens
+        c.recompute = max(full_set - kept - (0 if s.mlp_tile_size else 2 * a * c.f), 0.0) * tokens
+        c.released = s.head_stages * a * d * tokens
         # before it frees them: the output's gradient, the attention norm's output and one stage's forward
-        floor = 2 * a * d * tokens + stage_bytes_per_token(args, layout, s)[0] * tokens
+        c.floor = 2 * a * d * tokens + stage_bytes_per_token(args, layout, s)[0] * tokens
     if s.ac_mode == "selective" and layout.cp > 1:
-        recompute += 2 * a * layout.cp * kva * tokens
+        c.recompute += 2 * a * layout.cp * c.kva * tokens
+
+
+def _working_sets(c: _Step) -> None:
+    """The largest transients of a layer's backward: attention, the MLP (tiled, or a mixture of experts'), the norm."""
+    args, layout, s, a, d, f, tokens = c.args, c.layout, c.s, c.a, c.d, c.f, c.tokens
     cp_kv = cp_kv_per_token(args, layout, s) * tokens if layout.cp > 1 else 0.0  # and as much of their gradients
-    attention_ws = 3 * a * (qa + 2 * kva_held) * tokens + 2 * cp_kv
+    c.attention_ws = 3 * a * (c.qa + 2 * c.kva_held) * tokens + 2 * cp_kv
     if s.head_stages > 1:  # one stage at a time: its forward in the layer's recompute or its backward
-        attention_ws = max(stage_bytes_per_token(args, layout, s)) * tokens + 2 * cp_kv
+        c.attention_ws = max(stage_bytes_per_token(args, layout, s)) * tokens + 2 * cp_kv
     if s.mlp_tile_size:  # ops/tiled.py: docs/memory_model.md, the working sets of a layer's backward
         tile = min(s.mlp_tile_size, tokens)
         tile_ws = 6 * a * f * tile + 2 * a * d * tile + 7 * a * d * f
@@ -170,110 +207,122 @@ def estimate(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int
         mlp_ws = a * d * tokens + max(a * d * tokens + tile_ws, 2 * a * d * tokens if s.ac_mode != "none" else 0.0)
     else:
         mlp_ws = 2 * a * f * tokens
-    moe = feed_forward_memory(args, layout, s)  # a mixture of experts' feed-forward (moe_terms.py), never tiled
+    c.moe = moe = feed_forward_memory(args, layout, s)  # a mixture of experts' feed-forward (moe_terms.py), never tiled
     if moe:  # the combine's backward; under AC also the recompute's dispatch, beside the output's gradient
         mlp_ws = (moe.combine if s.ac_mode == "none" else max(moe.combine, moe.dispatch + a * d)) * tokens
     if s.lora_rank:  # the adapters' gradient of the MLP input beside the base projections' (measured)
         mlp_ws += a * d * tokens
-    loss_fwd, loss_bwd, loss_weight_grad, loss_kept = _loss_transients(args, s, tokens)
-    # the output weight's gradient in the compute dtype (none for a frozen one: LoRA)
-    out_grad = 0.0 if s.lora_rank else a * args.vocab_size * d
+    c.mlp_ws = mlp_ws
     # the final RMSNorm (ops/norm.py) computes in fp32, CHUNK_TOKENS tokens at a time in eager
     # mode: forward a chunk's upcast input, normalised input and its product with the weight;
     # backward five [chunk, D] fp32 tensors
     rows = min(tokens, NORM_CHUNK_TOKENS)
     upcast = 4 * d * rows if a < 4 else 0.0
-    norm_fwd, norm_bwd = 8 * d * rows + upcast, 16 * d * rows + upcast
+    c.norm_fwd, c.norm_bwd = 8 * d * rows + upcast, 16 * d * rows + upcast
+    # a layer's ffn_norm backward (after the MLP's backward freed its intermediates): the norm's fp32
+    # temporaries and two residual-stream gradients beside the rest of the layer's activations
+    ffn_saved = moe.saved if moe else a * d + (0 if s.mlp_tile_size else 4 * a * f)
+    c.norm_ws = c.norm_bwd + 2 * a * d * tokens - ffn_saved * tokens
+    # the tiled MLP's backward (and, under AC, the recompute's forward before it) comes first in the block's
+    # backward: none of the block's gradients exist yet (its weights' gradients are the tiles' sums, above)
+    c.layer_ws = max(c.attention_ws, mlp_ws - (a * c.trained if s.mlp_tile_size else 0.0), c.norm_ws)
 
-    root, one_block = a * other, a * gathered
-    units = expert_units(args, layout, a, d, q, kv, gathered)  # a mixture of experts' block: its FSDP units
+
+def _loss_and_root(c: _Step) -> None:
+    """The loss's transients, FSDP's working parameters, the root's reduce-scatter and the embeddings' backward."""
+    args, layout, s, a, d, tokens = c.args, c.layout, c.s, c.a, c.d, c.tokens
+    c.loss_fwd, c.loss_bwd, c.loss_weight_grad, c.loss_kept = _loss_transients(args, s, tokens)
+    # the output weight's gradient in the compute dtype (none for a frozen one: LoRA)
+    c.out_grad = out_grad = 0.0 if s.lora_rank else a * args.vocab_size * d
+    c.root, c.one_block = root, one_block = a * c.other, a * c.gathered
+    c.units = expert_units(args, layout, a, d, c.q, c.kv, c.gathered)  # a mixture of experts' block: its FSDP units
     # FSDP's last all-gather of forward (an MoE block's: its experts'), and the first block backward prefetches
-    last_gather, first_prefetch = (units.last_gather, units.dense) if units else (one_block, one_block)
-    rs_block = 4 * (trained if s.lora_rank else gathered)
+    c.last_gather, c.first_prefetch = (c.units.last_gather, c.units.dense) if c.units else (one_block, one_block)
+    c.rs_block = 4 * (c.trained if s.lora_rank else c.gathered)
+    n, other = c.n, c.other
     # the root's reduce-scatter (FSDP's foreach_reduce): its gradients copied into the fp32 input,
     # then the input beside the output (a world of one: beside a full-size output and the quotient
     # by the divide factor, which FSDP computes out of place) and beside the last root gradient,
     # which FSDP still holds then (the output weight's, [vocab, D]): 1 GiB for Llama-3-8B in bf16,
     # which the tracker found missing at 1, 2 and 3 ranks
     # (tied embeddings: the last root gradient is the final norm's)
-    root_grads = max((a + 4) * other, 4 * other * (1 + 1 / n + (1 if n == 1 else 0))
-                     + (0.0 if args.tie_embeddings else out_grad))
+    c.root_grads = max((a + 4) * other, 4 * other * (1 + 1 / n + (1 if n == 1 else 0))
+                       + (0.0 if args.tie_embeddings else out_grad))
     # the embeddings' backward, before it: the root still unsharded, the output weight's gradient,
     # the embeddings' own (tied: and their sum), the gradient of the embeddings' output and
     # block 0's reduce-scatter input
-    embedding = root + a * args.vocab_size * d * (3 if args.tie_embeddings else 2) + a * tokens * d + rs_block
+    c.embedding = root + a * args.vocab_size * d * (3 if args.tie_embeddings else 2) + a * tokens * d + c.rs_block
     if s.lora_rank:  # nothing of the root trains: no embeddings' backward, no root reduce-scatter
-        embedding, root_grads = 0.0, 0.0
-    rest = states["parameters"] + states["optimizer"]
-    earlier = states["gradients"] if s.microbatches > 1 else 0.0  # gradients of earlier microbatches
-    working = root + 3 * one_block  # root, this block, its gradients, the next block's all-gather
+        c.embedding, c.root_grads = 0.0, 0.0
+    c.rest = c.states["parameters"] + c.states["optimizer"]
+    c.earlier = c.states["gradients"] if s.microbatches > 1 else 0.0  # gradients of earlier microbatches
+    c.working = root + 3 * one_block  # root, this block, its gradients, the next block's all-gather
     if s.lora_rank:
-        working = root + 2 * one_block + a * trained
+        c.working = root + 2 * one_block + a * c.trained
 
-    def layer_backward(i: int) -> float:  # block i of n_layers, counted from the input
-        done = earlier or (args.n_layers - 1 - i) * block_grad
-        held = rs_block if i < args.n_layers - 1 else 0.0  # the reduce-scatter input of block i + 1
-        prefetch = one_block if i > 0 else 0.0  # block i - 1's all-gather
-        if s.ac_mode == "full_offload" and i > 0:  # and its input, on its way back from the host
-            prefetch += a * d * tokens
-        common = (rest + done + out_grad + (i + 1) * per_layer * tokens
-                  + groups.layer_backward_extra(i, k, s.ac_mode, a * d * tokens, one_block, rope_held))
-        if units:
-            return common + moe_layer_backward(i, prefetch - (one_block if i > 0 else 0.0))
-        return common + working - one_block + prefetch + held + max(recompute + layer_ws - released, floor)
 
-    def moe_layer_backward(i: int, offloaded: float) -> float:
-        """An MoE block's backward beyond ``common``: the combine first (the block's other parameters gathered,
-        its experts prefetched, block i + 1's last reduce-scatter input held), then the experts, the ffn norm and
-        the attention after the feed-forward's tensors are freed (the block's other parameters and their
-        gradients, the experts' reduce-scatter input, block i - 1's prefetch). ``offloaded``: block i - 1's input
-        on its way back from the host."""
-        held = units.dense_reduce if i < args.n_layers - 1 else 0.0
-        previous = units.dense if i > 0 else 0.0  # block i - 1's prefetched
-        if units.experts:  # the experts' unit comes next: prefetched (under AC gathered by the recompute)
-            first = units.last_gather + (units.experts if s.ac_mode != "none" else 0.0)
-            after_held = units.experts_reduce
-        else:  # one unit: block i - 1 comes next
-            first, after_held = previous, held
-        combine = root + units.dense + first + held + recompute + mlp_ws
-        rest_ws = max(attention_ws - moe.saved * tokens, norm_ws)
-        after = root + 2 * units.dense + after_held + previous + max(recompute + rest_ws - released, floor)
-        return offloaded + max(combine, after)
+def _layer_backward(c: _Step, i: int) -> float:
+    """The backward of block i of n_layers, counted from the input."""
+    args, s, a, d, tokens, k = c.args, c.s, c.a, c.d, c.tokens, c.k
+    done = c.earlier or (args.n_layers - 1 - i) * c.block_grad
+    held = c.rs_block if i < args.n_layers - 1 else 0.0  # the reduce-scatter input of block i + 1
+    prefetch = c.one_block if i > 0 else 0.0  # block i - 1's all-gather
+    if s.ac_mode == "full_offload" and i > 0:  # and its input, on its way back from the host
+        prefetch += a * d * tokens
+    common = (c.rest + done + c.out_grad + (i + 1) * c.per_layer * tokens
+              + groups.layer_backward_extra(i, k, s.ac_mode, a * d * tokens, c.one_block, c.rope_held))
+    if c.units:
+        return common + _moe_layer_backward(c, i, prefetch - (c.one_block if i > 0 else 0.0))
+    return common + c.working - c.one_block + prefetch + held + max(c.recompute + c.layer_ws - c.released, c.floor)
 
-    # a layer's ffn_norm backward (after the MLP's backward freed its intermediates): the norm's fp32
-    # temporaries and two residual-stream gradients beside the rest of the layer's activations
-    ffn_saved = moe.saved if moe else a * d + (0 if s.mlp_tile_size else 4 * a * f)
-    norm_ws = norm_bwd + 2 * a * d * tokens - ffn_saved * tokens
-    # the tiled MLP's backward (and, under AC, the recompute's forward before it) comes first in the block's
-    # backward: none of the block's gradients exist yet (its weights' gradients are the tiles' sums, above)
-    layer_ws = max(attention_ws, mlp_ws - (a * trained if s.mlp_tile_size else 0.0), norm_ws)
-    reduced = args.n_layers * block_grad  # the blocks' sharded gradients in the embeddings' backward
-    if units:  # block 0's other parameters and their gradients still gathered, its last reduce-scatter input,
+
+def _moe_layer_backward(c: _Step, i: int, offloaded: float) -> float:
+    """An MoE block's backward beyond ``_layer_backward``'s common terms: the combine first (the block's other
+    parameters gathered, its experts prefetched, block i + 1's last reduce-scatter input held), then the experts,
+    the ffn norm and the attention after the feed-forward's tensors are freed (the block's other parameters and
+    their gradients, the experts' reduce-scatter input, block i - 1's prefetch). ``offloaded``: block i - 1's input
+    on its way back from the host."""
+    units, s, tokens = c.units, c.s, c.tokens
+    held = units.dense_reduce if i < c.args.n_layers - 1 else 0.0
+    previous = units.dense if i > 0 else 0.0  # block i - 1's prefetched
+    if units.experts:  # the experts' unit comes next: prefetched (under AC gathered by the recompute)
+        first = units.last_gather + (units.experts if s.ac_mode != "none" else 0.0)
+        after_held = units.experts_reduce
+    else:  # one unit: block i - 1 comes next
+        first, after_held = previous, held
+    combine = c.root + units.dense + first + held + c.recompute + c.mlp_ws
+    rest_ws = max(c.attention_ws - c.moe.saved * tokens, c.norm_ws)
+    after = c.root + 2 * units.dense + after_held + previous + max(c.recompute + rest_ws - c.released, c.floor)
+    return offloaded + max(combine, after)
+
+
+def _phases(c: _Step) -> dict[str, float]:
+    """Phase of the step -> the bytes alive together at its peak."""
+    args, s, a, d, tokens, k = c.args, c.s, c.a, c.d, c.tokens, c.k
+    rest, earlier, root = c.rest, c.earlier, c.root
+    embedding = c.embedding
+    reduced = args.n_layers * c.block_grad  # the blocks' sharded gradients in the embeddings' backward
+    if c.units:  # block 0's other parameters and their gradients still gathered, its last reduce-scatter input,
         # only its experts' gradients sharded (the tracker's; the dense count was fitted to Llama's shapes)
-        embedding += 2 * units.dense + (units.experts_reduce or units.dense_reduce) - rs_block
-        reduced -= 4 * units.dense / a / n
+        embedding += 2 * c.units.dense + (c.units.experts_reduce or c.units.dense_reduce) - c.rs_block
+        reduced -= 4 * c.units.dense / a / c.n
     top = (args.n_layers - 1) // k  # the top group (k = 1: the top layer)
     phases = {
-        "loss forward": rest + earlier + root + last_gather + saved + max(loss_kept + loss_fwd, norm_fwd),
-        "loss backward": rest + earlier + root + first_prefetch + saved + rope_held
-        + max(loss_weight_grad + loss_bwd, out_grad + a * tokens * d + norm_bwd),
-        "layer backward": max(layer_backward(i) for i in range(args.n_layers) if i // k in (0, 1, top - 1, top)),
-        "embedding backward": rest + (earlier or reduced) + max(embedding, root_grads),
-        "optimizer step": rest + states["gradients"],
+        "loss forward": rest + earlier + root + c.last_gather + c.saved + max(c.loss_kept + c.loss_fwd, c.norm_fwd),
+        "loss backward": rest + earlier + root + c.first_prefetch + c.saved + c.rope_held
+        + max(c.loss_weight_grad + c.loss_bwd, c.out_grad + a * tokens * d + c.norm_bwd),
+        "layer backward": max(_layer_backward(c, i) for i in range(args.n_layers) if i // k in (0, 1, top - 1, top)),
+        "embedding backward": rest + (earlier or reduced) + max(embedding, c.root_grads),
+        "optimizer step": rest + c.states["gradients"],
     }
     if s.lora_rank:  # backward ends with block 0's: the frozen embeddings' input needs no gradient
         del phases["embedding backward"]
-    if moe and s.ac_mode == "none":  # the top layer's dispatch: every layer's saved tensors and the token ids and
+    if c.moe and s.ac_mode == "none":  # the top layer's dispatch: every layer's saved tensors and the token ids and
         # RoPE tables, its units gathered (and its experts' all-gather buffer)
+        units = c.units
         phases = {"forward": rest + earlier + root + units.dense + units.experts + units.last_gather
-                  + (args.n_layers * per_layer + moe.dispatch + 8 + 4 * args.head_dim) * tokens, **phases}
-    return Estimate(
-        unsharded_working_params=float(working), saved_activations=saved, layer_recompute=recompute,
-        attention_working_set=attention_ws, mlp_working_set=float(mlp_ws), logits=float(max(loss_fwd, loss_bwd)),
-        host_offloaded=host, loss_weight_gradient=float(loss_weight_grad), reduce_scatter=float(rs_block),
-        root_gradients=float(root_grads), norm_working_set=float(norm_bwd),
-        phases={k: float(v) for k, v in phases.items()}, **states,
-    )
+                  + (args.n_layers * c.per_layer + c.moe.dispatch + 8 + 4 * args.head_dim) * tokens, **phases}
+    return phases
 
 
 def largest_seq_len(args, layout, switches, device_bytes: float, local_batch: int = 1, multiple: int = 1024) -> int:

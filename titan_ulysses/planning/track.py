@@ -94,86 +94,105 @@ def _track(args: DecoderArgs, layout: Layout, switches: Switches, seq_len: int, 
     """One step traced as it is (``keyed``: with the per-event largest; ``token_scale``: the length this
     trace stands for over ``seq_len``, for the size thresholds)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import FSDPModule
 
     from titan_ulysses.data.sharding import shard_batch
-    from titan_ulysses.distributed.lora import LoRAOptions
     from titan_ulysses.distributed.activation_offload import ActivationOffloader
-    from titan_ulysses.distributed.parallel_dims import ParallelDims
-    from titan_ulysses.distributed.utils import clip_grad_norm_
-    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
-    from titan_ulysses.models.registry import build_model, parallelize_model
-    from titan_ulysses.optim import build_optimizer
 
     world = layout.dp_shard * layout.cp * layout.sp * layout.tp
-    dtype = torch.bfloat16 if switches.act_bytes == 2 else torch.float32
-    compute = _compute(switches)
     host_kinds = CPU_OFFLOAD_KINDS if switches.cpu_offload else ()
     crossed: list[str] = []
     with fake_world(world), cuda_kernel_choices(), offload_to_fake_host(ActivationOffloader, token_scale, crossed), \
             sharding_metadata_unseen(), balanced_experts():
-        pd = ParallelDims(dp_shard=layout.dp_shard, cp=layout.cp, sp=layout.sp, tp=layout.tp, ep=layout.ep,
-                          world_size=world)
-        pd.build_mesh("cpu")
-        with torch.device("meta"):
-            model = build_model(args, compute)
-        lora = LoRAOptions(rank=switches.lora_rank) if switches.lora_rank else None
-        parallelize_model(model, pd, ParallelizeOptions(
-            ac_mode=switches.ac_mode, ac_layers_per_checkpoint=switches.ac_layers_per_checkpoint, param_dtype=dtype,
-            lora=lora, ulysses_head_stages=switches.head_stages,
-            ulysses_stage_keep_attention=switches.stage_keep_attention))
+        model, pd = _build(args, layout, switches, world)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             model.init_buffers(torch.device("cpu"))
-            optimizer = build_optimizer(model, "AdamW", 1e-4, 0.1, 1e-8, (0.9, 0.95), "cuda")  # fused, as on CUDA
+            optimizer = _steady_state_optimizer(model)
             tokens = torch.zeros(local_batch, seq_len, dtype=torch.long)
             batches = [shard_batch(tokens, tokens, 0, layout.sp, cp=layout.cp) for _ in range(switches.microbatches)]
-
-            def step(poller, tracker):
-                for i, mb in enumerate(batches):
-                    if i and hasattr(tracker, "reset_mod_stats"):
-                        tracker.reset_mod_stats()  # FSDPMemTracker refuses a second forward otherwise
-                    poller.phase = "forward"
-                    first = torch._C._autograd._get_sequence_nr()
-                    loss, stats = model(mb.tokens, positions=mb.positions, labels=mb.labels, return_stats=True)
-                    loss = loss / 1000.0 + _router_loss(stats, pd, args, len(batches))
-                    del stats  # held, its graph would live on through the backward (AC: every block's inputs)
-                    poller.forward_nodes = (first, torch._C._autograd._get_sequence_nr())
-                    poller.phase = "loss backward"
-                    loss.backward()
-                poller.phase = "clip grad norm"
-                clip_grad_norm_(model.parameters(), 1.0)
-                poller.phase = "optimizer step"
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            # the optimizer state of a steady-state step, without running a step to make it
-            for p in model.parameters():
-                if p.requires_grad:  # a frozen base (LoRA) has no gradient, and the optimizer never clears one
-                    p.grad = torch.zeros_like(p)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if isinstance(model, FSDPModule):
-                tracker = FSDPMemTracker(model, optimizer)
-            else:
-                tracker = MemTracker()
-                tracker.track_external(model, optimizer)
-            with tracker:
-                if hasattr(tracker, "track_inputs"):
-                    tracker.track_inputs(tuple((mb.tokens, mb.labels, mb.positions) for mb in batches))
-                poller = PhasePeaks(tracker, host_kinds, keyed)
-                handles = phase_hooks(model, poller)
-                try:
-                    with poller:
-                        step(poller, tracker)
-                finally:
-                    for h in handles:
-                        h.remove()
+            poller = _traced_step(model, optimizer, pd, args, batches, host_kinds, keyed)
     return StepMemory(peak=max(p.peak for p in poller.phases.values()), phases=poller.phases,
                       host_peak=poller.host_peak, traced=f"{args.n_layers} layers x {seq_len:,} tokens",
                       events=poller.events, thresholds=sorted(set(crossed)))
+
+
+def _build(args: DecoderArgs, layout: Layout, switches: Switches, world: int):
+    """(model on the meta device, parallelized as the trainer does; its ParallelDims) in the fake world."""
+    from titan_ulysses.distributed.lora import LoRAOptions
+    from titan_ulysses.distributed.parallel_dims import ParallelDims
+    from titan_ulysses.models.decoder.parallelize import ParallelizeOptions
+    from titan_ulysses.models.registry import build_model, parallelize_model
+
+    dtype = torch.bfloat16 if switches.act_bytes == 2 else torch.float32
+    pd = ParallelDims(dp_shard=layout.dp_shard, cp=layout.cp, sp=layout.sp, tp=layout.tp, ep=layout.ep,
+                      world_size=world)
+    pd.build_mesh("cpu")
+    with torch.device("meta"):
+        model = build_model(args, _compute(switches))
+    lora = LoRAOptions(rank=switches.lora_rank) if switches.lora_rank else None
+    parallelize_model(model, pd, ParallelizeOptions(
+        ac_mode=switches.ac_mode, ac_layers_per_checkpoint=switches.ac_layers_per_checkpoint, param_dtype=dtype,
+        lora=lora, ulysses_head_stages=switches.head_stages,
+        ulysses_stage_keep_attention=switches.stage_keep_attention))
+    return model, pd
+
+
+def _steady_state_optimizer(model):
+    """The fused AdamW (as on CUDA) with its state made, without running a step to make it; no gradients left."""
+    from titan_ulysses.optim import build_optimizer
+
+    optimizer = build_optimizer(model, "AdamW", 1e-4, 0.1, 1e-8, (0.9, 0.95), "cuda")
+    for p in model.parameters():
+        if p.requires_grad:  # a frozen base (LoRA) has no gradient, and the optimizer never clears one
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def _traced_step(model, optimizer, pd, args: DecoderArgs, batches, host_kinds, keyed: bool) -> PhasePeaks:
+    """Runs one step over ``batches`` under PyTorch's memory tracker; the phases' peaks it saw."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    from titan_ulysses.distributed.utils import clip_grad_norm_
+
+    def step(poller, tracker):
+        for i, mb in enumerate(batches):
+            if i and hasattr(tracker, "reset_mod_stats"):
+                tracker.reset_mod_stats()  # FSDPMemTracker refuses a second forward otherwise
+            poller.phase = "forward"
+            first = torch._C._autograd._get_sequence_nr()
+            loss, stats = model(mb.tokens, positions=mb.positions, labels=mb.labels, return_stats=True)
+            loss = loss / 1000.0 + _router_loss(stats, pd, args, len(batches))
+            del stats  # held, its graph would live on through the backward (AC: every block's inputs)
+            poller.forward_nodes = (first, torch._C._autograd._get_sequence_nr())
+            poller.phase = "loss backward"
+            loss.backward()
+        poller.phase = "clip grad norm"
+        clip_grad_norm_(model.parameters(), 1.0)
+        poller.phase = "optimizer step"
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if isinstance(model, FSDPModule):
+        tracker = FSDPMemTracker(model, optimizer)
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+    with tracker:
+        if hasattr(tracker, "track_inputs"):
+            tracker.track_inputs(tuple((mb.tokens, mb.labels, mb.positions) for mb in batches))
+        poller = PhasePeaks(tracker, host_kinds, keyed)
+        handles = phase_hooks(model, poller)
+        try:
+            with poller:
+                step(poller, tracker)
+        finally:
+            for h in handles:
+                h.remove()
+    return poller
 
 
 def _router_loss(stats, dims, args: DecoderArgs, forwards: int):

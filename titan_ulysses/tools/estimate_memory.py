@@ -165,7 +165,8 @@ def measure_cuda_peak(argv: list[str], world: int) -> float:
     from titan_ulysses.trainer import Trainer
 
     extra = ["--comm.mode", "fake", "--comm.fake_world_size", str(world)] if world > 1 else []
-    trainer = Trainer(load_config([*argv, *extra, "--checkpoint.enable", "false"]))
+    trainer = Trainer(load_config([*argv, *extra, "--checkpoint.enable", "false",
+                                   "--training.allow_over_memory_estimate", "true"]))  # measured, not planned
     data = iter(trainer.dataloader)
     trainer.train_step(data)  # the first step allocates the optimizer state
     torch.cuda.synchronize()
@@ -185,7 +186,7 @@ def prepare(config_argv: list[str], world_size: int):
         raise SystemExit(f"config error: {e}") from e
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--world-size", type=int, required=True, help="number of GPUs of the job")
@@ -194,43 +195,45 @@ def main(argv=None) -> int:
     p.add_argument("--validate", action="store_true", help="also run one step and compare (see above)")
     p.add_argument("--track", action="store_true",
                    help="also track a step's memory on CPU under fake tensors, phase by phase (see above)")
-    a, overrides = p.parse_known_args(argv)
-    config_argv = ["--config", a.config, *overrides]
-    config, spec, dims = prepare(config_argv, a.world_size)
-    args, layout, switches = from_config(config, dims, spec.args)
+    return p
+
+
+def _estimated(a, overrides, config, args, layout, switches, est) -> dict:
+    """The estimate, the longest sequence that fits 90% of the device and the recommendation, as one dict."""
     t = config.training
-    est = estimate(args, layout, switches, t.seq_len, t.local_batch_size)
     device = a.device_memory_gib * GIB
     longest = largest_seq_len(args, layout, switches, 0.9 * device, t.local_batch_size)
     rec = recommend(args, layout, switches, t.seq_len, t.local_batch_size, a.world_size, BUDGET * device,
                     config.model.attn_backend)
-    result = {"config": a.config, "overrides": overrides, "world_size": a.world_size, "layout": dataclasses.asdict(layout),
-              "seq_len": t.seq_len, "local_batch_size": t.local_batch_size, "switches": dataclasses.asdict(switches),
-              "bytes": est.as_dict(), "largest_seq_len": longest,
-              "recommendation": None if rec is None else {"ulysses_degree": rec[0], "overrides": rec[1],
-                                                          "context_parallel_degree": next(
-                                                              (int(f.split()[1]) for f in rec[1]
-                                                               if f.startswith("--parallelism.context_parallel_degree")), 1),
-                                                          "total_gib": rec[2].total / GIB}}
-    if a.track:  # before --validate: the tracker needs its own (fake) process group
-        result["tracked"] = track(args, layout, switches, t.seq_len, t.local_batch_size, est)
-    if a.validate:
-        import torch
+    return {"config": a.config, "overrides": overrides, "world_size": a.world_size, "layout": dataclasses.asdict(layout),
+            "seq_len": t.seq_len, "local_batch_size": t.local_batch_size, "switches": dataclasses.asdict(switches),
+            "bytes": est.as_dict(), "largest_seq_len": longest,
+            "recommendation": None if rec is None else {"ulysses_degree": rec[0], "overrides": rec[1],
+                                                        "context_parallel_degree": next(
+                                                            (int(f.split()[1]) for f in rec[1]
+                                                             if f.startswith("--parallelism.context_parallel_degree")), 1),
+                                                        "total_gib": rec[2].total / GIB}}
 
-        if torch.cuda.is_available():
-            measured, what = measure_cuda_peak(config_argv, a.world_size), "peak memory (CUDA)"
-            compared = est.total
-        else:
-            if layout.sp != 1:
-                raise SystemExit("--validate on CPU runs one process: add --parallelism.ulysses_degree 1")
-            measured, what = measure_saved_activations(args, switches, t.seq_len, t.local_batch_size), \
-                "saved activations (CPU)"
-            compared = estimated_saved_activations(args, layout, switches, t.seq_len, t.local_batch_size)
-        result["validation"] = {"what": what, "estimated": compared, "measured": measured,
-                                "error_pct": 100 * (compared - measured) / measured}
-    if a.json:
-        print(json.dumps(result, indent=1))
-        return 0
+
+def _validation(config_argv, world_size: int, args, layout, switches, t, est) -> dict:
+    """``--validate``: one step measured (CUDA: its peak; CPU: the saved activations) against the estimate."""
+    import torch
+
+    if torch.cuda.is_available():
+        measured, what = measure_cuda_peak(config_argv, world_size), "peak memory (CUDA)"
+        compared = est.total
+    else:
+        if layout.sp != 1:
+            raise SystemExit("--validate on CPU runs one process: add --parallelism.ulysses_degree 1")
+        measured, what = measure_saved_activations(args, switches, t.seq_len, t.local_batch_size), \
+            "saved activations (CPU)"
+        compared = estimated_saved_activations(args, layout, switches, t.seq_len, t.local_batch_size)
+    return {"what": what, "estimated": compared, "measured": measured,
+            "error_pct": 100 * (compared - measured) / measured}
+
+
+def _print_table(a, args, layout, switches, t, est, result: dict) -> None:
+    """The human-readable report of ``result``."""
     print(f"{a.config}: {num_params(args) / 1e9:.2f}B params, seq_len {t.seq_len} x local batch {t.local_batch_size}, "
           f"world {a.world_size} = dp_shard {layout.dp_shard} x cp {layout.cp} x sp {layout.sp} x tp {layout.tp}"
           f"{f', experts over ep {layout.ep}' if layout.ep > 1 else ''}, "
@@ -244,11 +247,13 @@ def main(argv=None) -> int:
         print(f"    {key:<24} {value / GIB:10.2f} GiB{'  <- peak' if key == est.peak_phase else ''}")
     print(f"  {'total':<26} {est.total / GIB:10.2f} GiB")
     print(f"device memory needed (estimate): {devices_that_fit(est.total)}")
-    print(f"largest seq_len fitting 90% of {a.device_memory_gib:g} GiB with this layout and switches: {longest}")
+    print(f"largest seq_len fitting 90% of {a.device_memory_gib:g} GiB with this layout and switches: "
+          f"{result['largest_seq_len']}")
+    rec = result["recommendation"]
     if rec is None:
         print(f"no ulysses_degree within {a.world_size} GPUs and no switch makes seq_len {t.seq_len} fit")
     else:
-        print(f"recommended: {' '.join(rec[1])}  ({rec[2].total / GIB:.1f} GiB)")
+        print(f"recommended: {' '.join(rec['overrides'])}  ({rec['total_gib']:.1f} GiB)")
         print("  (the fewest ranks per sequence that fit; a larger ulysses_degree leaves room for selective AC, "
               "a smaller global batch and longer sequences: docs/parallelism.md, 'When sp wins')")
     if "tracked" in result:
@@ -264,6 +269,24 @@ def main(argv=None) -> int:
         v = result["validation"]
         print(f"validation, {v['what']}: estimated {v['estimated'] / GIB:.4f} GiB, measured {v['measured'] / GIB:.4f} GiB, "
               f"error {v['error_pct']:+.1f}%")
+
+
+def main(argv=None) -> int:
+    a, overrides = _parser().parse_known_args(argv)
+    config_argv = ["--config", a.config, *overrides]
+    config, spec, dims = prepare(config_argv, a.world_size)
+    args, layout, switches = from_config(config, dims, spec.args)
+    t = config.training
+    est = estimate(args, layout, switches, t.seq_len, t.local_batch_size)
+    result = _estimated(a, overrides, config, args, layout, switches, est)
+    if a.track:  # before --validate: the tracker needs its own (fake) process group
+        result["tracked"] = track(args, layout, switches, t.seq_len, t.local_batch_size, est)
+    if a.validate:
+        result["validation"] = _validation(config_argv, a.world_size, args, layout, switches, t, est)
+    if a.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    _print_table(a, args, layout, switches, t, est, result)
     return 0
 
 

@@ -127,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100: 80, H200: 141)")
     p.add_argument("--matmul-tflops", type=float, default=MATMUL_TFLOPS,
                    help=f"bf16 matmul rate of the GPU (default {MATMUL_TFLOPS:g}: measured on an H200)")
+    p.add_argument("--device-name", default="", help="the GPU whose achieved rates the step-time model takes "
+                   "(planning/rates.py: H100, H200; default: the listed one nearest --gpu-memory-gib)")
     p.add_argument("--out", default="", help="also write the TOML here (an existing file only with --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     a = p.parse_args(argv)
@@ -158,7 +160,29 @@ def main(argv=None) -> int:
           f"{speed['flops_per_token'] / 1e9:.1f} GFLOP per token ({100 * speed['attention_share']:.0f}% attention) at "
           f"{speed['matmul_tflops']:g} TFLOP/s matmul and {100 * speed['attention_fraction']:.0f}% of it in attention "
           f"(docs/benchmarks.md)")
+    print(_timed(a, config, dims, args))
     return 0
+
+
+def _timed(a, config, dims, args) -> str:
+    """The step-time model's prediction for this plan and the fastest switches that fit at its layout."""
+    from titan_ulysses.planning.fastest import fastest
+    from titan_ulysses.planning.inputs import GIB, from_config
+    from titan_ulysses.planning.rates import device_rates, kernel_of
+    from titan_ulysses.planning.timing import step_time
+
+    try:
+        rates = device_rates(a.device_name or None, a.gpu_memory_gib)
+    except ValueError as e:
+        raise SystemExit(f"plan: --device-name: {e}") from e
+    args, layout, switches = from_config(config, dims, args)
+    kernel = kernel_of(config.model.attn_backend)
+    t = step_time(args, layout, switches, a.seq_len, rates, 1, True, "bf16", kernel,
+                  link_gbs=config.comm.link_bandwidth_gbps)
+    best = fastest(args, layout, switches, a.seq_len, 1, rates, a.gpu_memory_gib * GIB, True, False, "bf16", kernel)
+    return (f"step-time model (planning/timing.py, {rates.device} rates, {kernel} attention): {t.tok_s:,.0f} tokens/s "
+            f"per device, {t.mfu_pct:.1f}% MFU (a prediction); fastest that fits at this layout: "
+            + (best.line() if best else "none"))
 
 
 def cli() -> None:
