@@ -69,7 +69,14 @@ def _convert(key: str, value, kind: type, from_cli: bool = False, where: str = "
         pass
     hint = ""
     if isinstance(value, str) and kind is not str and where:
-        hint = f" (a string in {where}: write {key.split('.', 1)[1]} = {value} without quotes)"
+        name = key.split(".", 1)[1]
+        what, example = {bool: ("true or false", "true"), int: ("a whole number", "2"),
+                         float: ("a number", "0.5")}.get(kind, (kind.__name__, "..."))
+        try:  # drop the quotes only where the bare value is one: `ulysses_degree = many` is no number either
+            _convert(key, value, kind, from_cli=True)
+            hint = f" (a string in {where}: write {name} = {value} without quotes)"
+        except ConfigError:
+            hint = f" (a string in {where}: write {what} without quotes, e.g. {name} = {example})"
     raise ConfigError(f"{key} expects {kind.__name__}{' (true or false)' if kind is bool else ''}, got {value!r}{hint}")
 
 
@@ -132,6 +139,9 @@ def load_config(argv: list[str]) -> JobConfig:
             raise ConfigError(f"--config {path}: cannot read the file ({e.strerror})") from e
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"--config {path}: not valid TOML ({e})") from e
+        except UnicodeDecodeError as e:  # a binary file: tomllib decodes before it parses
+            raise ConfigError(f"--config {path}: not a TOML text file (byte {e.start} is not UTF-8); name a .toml "
+                              f"config") from e
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise _unknown(section, config)
@@ -248,7 +258,10 @@ def _check_hf_dataset(t) -> None:
 
 
 def _check_path(key: str, path: str, kind: str) -> None:
-    if kind == "passkey":
+    if kind == "passkey":  # synthetic: a path would be dropped silently
+        if path:
+            raise ConfigError(f"{key} {path!r} is set but {key.rsplit('.', 1)[0]}.dataset is 'passkey' (synthetic, it "
+                              f"reads no file); set the dataset to 'text' or 'sft' to train on the file, or drop {key}")
         return
     if not path:  # a path that does not exist is the data builder's one-line DataError
         raise ConfigError(f"{key.rsplit('.', 1)[0]}.dataset {kind!r} needs {key} "
