@@ -32,9 +32,9 @@ def _is_checkpoint(folder: str) -> bool:
     return any(os.path.isfile(os.path.join(folder, n)) for n in _CHECKPOINT_FILES)
 
 
-def _inside_checkpoint(path: str) -> str | None:
-    """The checkpoint (a folder with ``.metadata`` or ``manifest.json``) that ``path`` is or lies inside, or the
-    checkpoint folder (one holding a ``step-N`` checkpoint) that it lies inside; None for neither."""
+def _inside_checkpoint(path: str, checkpoint_folders: bool = True) -> str | None:
+    """The checkpoint (a folder with ``.metadata`` or ``manifest.json``) that ``path`` is or lies inside, or (with
+    ``checkpoint_folders``) the checkpoint folder (one holding a ``step-N`` checkpoint) it lies inside; else None."""
     probe = os.path.realpath(path)
     first = True
     while True:
@@ -42,7 +42,8 @@ def _inside_checkpoint(path: str) -> str | None:
             names = os.listdir(probe)
             if any(n in names for n in _CHECKPOINT_FILES):
                 return probe
-            if not first and any(_STEP.match(n) and _is_checkpoint(os.path.join(probe, n)) for n in names):
+            if checkpoint_folders and not first and any(_STEP.match(n) and _is_checkpoint(os.path.join(probe, n))
+                                                        for n in names):
                 return probe
         first = False
         parent = os.path.dirname(probe)
@@ -122,7 +123,7 @@ def _folder_problem(option: str, path: str, overwrite: bool, source: str) -> str
 def output_problem(option: str, path: str, overwrite: bool, folder: bool, checkpoint: str = "") -> str | None:
     """Why the command may not write ``path`` (given by ``option``; a folder when ``folder``), or None.
     ``checkpoint``: the source a folder is made from, never inside what is replaced."""
-    inside = _inside_checkpoint(path)
+    inside = _inside_checkpoint(path, checkpoint_folders=folder)  # a file (a plot, a plan) beside checkpoints is fine
     if checkpoint and not inside and os.path.realpath(path).startswith(os.path.realpath(checkpoint) + os.sep):
         inside = checkpoint
     if inside:
