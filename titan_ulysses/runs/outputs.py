@@ -38,13 +38,14 @@ def _inside_checkpoint(path: str, checkpoint_folders: bool = True) -> str | None
     probe = os.path.realpath(path)
     first = True
     while True:
-        if os.path.isdir(probe):
-            names = os.listdir(probe)
-            if any(n in names for n in _CHECKPOINT_FILES):
-                return probe
-            if checkpoint_folders and not first and any(_STEP.match(n) and _is_checkpoint(os.path.join(probe, n))
-                                                        for n in names):
-                return probe
+        names = []
+        with contextlib.suppress(OSError):  # a folder above that this user cannot list holds nothing of ours
+            names = os.listdir(probe) if os.path.isdir(probe) else []
+        if any(n in names for n in _CHECKPOINT_FILES):
+            return probe
+        if checkpoint_folders and not first and any(_STEP.match(n) and _is_checkpoint(os.path.join(probe, n))
+                                                    for n in names):
+            return f"folder {probe}"
         first = False
         parent = os.path.dirname(probe)
         if parent == probe:
