@@ -4,8 +4,8 @@ line or tested at its boundary directly.
 * a ``[profiling]`` folder that cannot be written (under /proc) or names a file: both ranks died of SIGSEGV with
   no message, and the dry run passed it; now one line from the launch's checks and the dry run alike;
 * a binary ``--config`` (UnicodeDecodeError), ``ulysses_degree = "many"`` (a hint to drop the quotes), an empty
-  text file ("holds 2 tokens"), an all-NUL one (trained on), ``--training.dataset_path`` beside the passkey
-  dataset (dropped);
+  text file ("holds 2 tokens"), an all-NUL one (trained on); ``--training.dataset_path`` beside the passkey
+  dataset (dropped silently; now said at start-up and in the dry run);
 * ``training.gc_freq = 0`` in a step, the SDPA table's head_dim check, the profiling window's boundary, and the
   resume check of the newest checkpoint, each tested directly.
 """
@@ -87,20 +87,35 @@ def test_config_and_data_files_refused_in_one_line(train_main, tmp_path, capsys)
     code, _, err = train_main(base + text + [str(tmp_path / "nul.txt")])
     assert code == 2 and err == [f"data error: {tmp_path / 'nul.txt'}: not text (a NUL byte at byte 0: a binary "
                                  f"file?); name .txt files of UTF-8 text"], err
-    code, _, err = train_main(base + ["--training.dataset_path", str(tmp_path / "nul.txt")])  # passkey's default
-    assert code == 2 and err == [f"config error: training.dataset_path '{tmp_path / 'nul.txt'}' is set but "
-                                 f"training.dataset is 'passkey' (synthetic, it reads no file); set the dataset to "
-                                 f"'text' or 'sft' to train on the file, or drop training.dataset_path"], err
+
+
+def test_a_dataset_path_the_passkey_dataset_does_not_read_is_said(train_main, tmp_path):
+    """``--training.dataset passkey`` over a config with ``dataset_path`` (the documented way to try a config
+    without its data) is honoured, and the unread path said in one line, at start-up and in the dry run."""
+    from titan_ulysses.config.manager import unread_dataset_path
+
+    data = str(tmp_path / "data")
+    argv = ["--config", DEBUG, "--job.dump_folder", str(tmp_path / "run"), "--training.dataset_path", data]
+    code, out, err = train_main(argv + ["--dry-run", "--world-size", "2"])
+    assert code == 0 and f"training data: passkey (synthetic), 5-digit keys, sample 0 holds 512 tokens; " \
+                         f"training.dataset_path '{data}' is not read\n" in out, err
+    assert unread_dataset_path(load_config(argv)) == (
+        f"the passkey dataset is synthetic: training.dataset_path '{data}' is not read (set training.dataset to "
+        f"'text' or 'sft' to train on it)")
+    assert unread_dataset_path(load_config(argv[:4])) is None
 
 
 # -- boundaries tested directly (issue 43, item 9) ---------------------------------------------------
 
 @pytest.mark.slow
-def test_gc_freq_zero_runs_in_a_short_trainer(tmp_path):
-    """``training.gc_freq = 0`` is Python's automatic collection: a run's steps never divide by it."""
-    metrics = run(1, ["--training.steps", "1", "--training.gc_freq", "0"]
+def test_a_short_trainer_with_gc_freq_zero_and_an_unread_dataset_path(tmp_path, capfd):
+    """``training.gc_freq = 0`` is Python's automatic collection: a run's steps never divide by it. The same
+    run's start-up line says the passkey dataset does not read its ``training.dataset_path``."""
+    data = str(tmp_path / "data")
+    metrics = run(1, ["--training.steps", "1", "--training.gc_freq", "0", "--training.dataset_path", data]
                   + layout(), tmp_path, "gc0")
     assert [m["step"] for m in metrics] == [1]
+    assert f"\nnote: the passkey dataset is synthetic: training.dataset_path '{data}' is not read" in capfd.readouterr().out
 
 
 def test_sdpa_table_never_answers_for_an_unmeasured_head_dim():

@@ -258,14 +258,25 @@ def _check_hf_dataset(t) -> None:
 
 
 def _check_path(key: str, path: str, kind: str) -> None:
-    if kind == "passkey":  # synthetic: a path would be dropped silently
-        if path:
-            raise ConfigError(f"{key} {path!r} is set but {key.rsplit('.', 1)[0]}.dataset is 'passkey' (synthetic, it "
-                              f"reads no file); set the dataset to 'text' or 'sft' to train on the file, or drop {key}")
+    if kind == "passkey":  # a path beside it is not read: said at start-up and in the dry run (unread_dataset_path)
         return
     if not path:  # a path that does not exist is the data builder's one-line DataError
         raise ConfigError(f"{key.rsplit('.', 1)[0]}.dataset {kind!r} needs {key} "
                           f"(a file or a folder of {'.txt/' if kind == 'text' else ''}.jsonl/.parquet)")
+
+
+def unread_dataset_path(config: JobConfig) -> str | None:
+    """The note for a ``dataset_path`` that the synthetic passkey dataset does not read (a shipped config's
+    ``./data`` under ``--training.dataset passkey``, the documented way to try a config without data), or None.
+    Said at start-up and in the dry run: it was dropped silently (issue 43)."""
+    t, v = config.training, config.validation
+    unread = [(f"{name}.dataset_path", path) for name, kind, path, on in (
+        ("training", t.dataset, t.dataset_path, True), ("validation", v.dataset or t.dataset, v.dataset_path, v.enable))
+        if on and kind == "passkey" and path]
+    if not unread:
+        return None
+    return (f"the passkey dataset is synthetic: {', '.join(f'{k} {p!r}' for k, p in unread)} is not read (set "
+            f"training.dataset to 'text' or 'sft' to train on it)")
 
 
 def to_dict(config: JobConfig) -> dict:
