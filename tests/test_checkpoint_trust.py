@@ -251,3 +251,64 @@ def _other_model_is_refused(folder, model, loader, sched, mgr, good):
     mgr.check_settings = None
     assert mgr.load() == 1
     assert_equal(snapshot(model), good, "param")
+
+
+# -- a code error on load is not damage (issue 43, item 4) ---------------------------------------
+
+def _tree_hashes(folder) -> dict:
+    import hashlib
+
+    return {os.path.relpath(os.path.join(d, f), folder): hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+            for d, _, files in os.walk(folder) for f in files}
+
+
+def _worker_code_error_on_load(folder):
+    """A verified checkpoint whose load fails in the code (planted after DCP's read, as fused AdamW refusing a
+    layout's parameters did while the optimizer state was set up) stops the load on every rank with one line;
+    every file keeps its name and its sha256. A failed file read is still damage, set aside."""
+    from titan_ulysses.checkpoint.fit import LoadCodeError
+
+    model, opt, loader, _, mgr = checkpoint_setup(folder)
+    for step in (1, 2):
+        tiny_train_step(model, opt)
+        loader.n = step
+        mgr.save(step)
+    dist.barrier()
+    before = _tree_hashes(folder)
+    real = ckpt.dcp.load
+
+    def code_error_after(*args, **kwargs):
+        real(*args, **kwargs)
+        raise RuntimeError("planted: aten._fused_adamw_.default got mixed torch.Tensor and DTensor")
+
+    def code_error_before(*args, **kwargs):
+        raise TypeError("planted: an argument the loader does not take")
+
+    for planted in (code_error_after, code_error_before):
+        ckpt.dcp.load = planted
+        try:
+            with pytest.raises(LoadCodeError, match=r"^checkpoint .*step-2 passed verification, but loading it failed "
+                                                    r"in the code, not in its files \((RuntimeError|TypeError): "
+                                                    r"planted: [^\n]*\); nothing was set aside, renamed or changed"):
+                mgr.load()
+        finally:
+            ckpt.dcp.load = real
+        dist.barrier()
+        assert _tree_hashes(folder) == before, planted.__name__  # no file renamed (.bad) or changed
+        dist.barrier()
+
+    def read_error(*args, **kwargs):  # a file read failing after verification: damage, set aside
+        raise OSError(5, "Input/output error", os.path.join(args[1] if len(args) > 1 else folder, "__0_0.distcp"))
+
+    ckpt.dcp.load = lambda state, checkpoint_id, **kw: (read_error() if checkpoint_id.endswith("step-2")
+                                                         else real(state, checkpoint_id=checkpoint_id, **kw))
+    try:
+        assert mgr.load() == 1
+    finally:
+        ckpt.dcp.load = real
+    dist.barrier()
+    assert sorted(os.listdir(folder)) == ["step-1", "step-2.bad"]
+
+
+def test_a_code_error_on_load_sets_nothing_aside(tmp_path):
+    run_distributed(_worker_code_error_on_load, 2, str(tmp_path / "ckpt"))

@@ -153,10 +153,11 @@ def test_export_script(tmp_path, capsys):
     assert code != 0 and "does not match the model arguments" in err
     assert not (tmp_path / "hf_wrong" / "model.safetensors").exists()
 
-    # issue 38: an output folder holding anything is refused unless --overwrite, then replaced whole
+    # issue 38: an output folder holding anything is refused unless --overwrite, then replaced whole (issue 43:
+    # only a previous export; tests/test_export_safety.py has the rest)
     before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
     code, err = export("debugmodel", "hf")
-    assert code == 2 and f"--output '{tmp_path / 'hf'}' is not empty (config.json, " in err and "pass --overwrite" in err
+    assert code == 2 and f"--output '{tmp_path / 'hf'}' holds a previous export (" in err and "pass --overwrite" in err
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
     code, err = export("debugmodel_gqa1", "hf", "--overwrite")  # fails after the check: the old folder stays
     assert code == 2 and {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before

@@ -182,10 +182,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-ALLOWED_CIRCLES: dict[frozenset, str] = {
-    frozenset({"titan_ulysses.interop.hf_export", "titan_ulysses.interop.peft_export"}):
-        "issue 46 item 1: broken on its own branch (the export helper's); drop this entry when that lands",
-}
+ALLOWED_CIRCLES: dict[frozenset, str] = {}
 """Circles that may stay, each with the reason. Empty is the aim."""
 
 

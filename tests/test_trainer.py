@@ -29,8 +29,12 @@ def test_loss_sequence_equal_across_layouts(tmp_path):
     ref = losses(run(1, ["--training.steps", "4"] + layout(), tmp_path, "single"))
     sp2 = losses(run(2, ["--training.steps", "4"] + layout(sp=2), tmp_path, "sp2"))
     dp_sp = losses(run(4, ["--training.steps", "4"] + layout(sp=2, dp_shard=2, local_batch=2), tmp_path, "dp2sp2"))
+    # tp alone, through the trainer's fused AdamW and step (it failed on a mixed Tensor / DTensor list, issue 43)
+    tp2 = losses(run(2, ["--training.steps", "4", "--parallelism.tensor_parallel_degree", "2"] + layout(), tmp_path,
+                     "tp2"))
     assert ref[4] < ref[1], "the loss should fall"
     assert_losses_equal(sp2, ref, range(1, 5))
+    assert_losses_equal(tp2, ref, range(1, 5))
     assert_losses_equal(dp_sp, ref, range(1, 5))
     # the memory switches change nothing numerically (and reach the model from the config)
     lean = ["--model.loss_chunk_size", "50", "--model.mlp_tile_size", "48",

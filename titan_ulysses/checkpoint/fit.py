@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import warnings
 
@@ -31,10 +32,17 @@ NEW_RUN = "or train these settings from the start in another job.dump_folder (or
 # a verified checkpoint whose load fails like this is of other settings, never damage
 _MISMATCH = re.compile(r"^.*(size mismatch|missing key|unexpected key|shape).*$", re.I | re.M)
 DOES_NOT_FIT = "loading failed on a mismatch: "
+CODE_ERROR = "loading failed in the code: "
+# what torch's zip reader says of a file it cannot read (a RuntimeError, not an OSError)
+_UNREADABLE = re.compile(r"PytorchStreamReader failed|failed finding central directory|unexpected EOF", re.I)
 
 
 class SettingsMismatchError(RunRefused):
     """A good checkpoint of this run's folder was written with settings this run cannot load."""
+
+
+class LoadCodeError(RunRefused):
+    """A verified checkpoint failed to load on a code error (not a file read): the run stops, nothing is set aside."""
 
 
 def saved_settings(path: str) -> dict | None:
@@ -73,13 +81,35 @@ def model_shapes(model) -> dict[str, tuple[int, ...]]:
     return {f"model.{k}": tuple(v.size()) for k, v in get_model_state_dict(model).items()}
 
 
+def _is_read_error(error: BaseException) -> bool:
+    """A file of the checkpoint could not be read (an I/O error, a file cut short, bytes that do not unpickle
+    or unzip): damage. Anything else raised while loading is the code's (issue 43)."""
+    from titan_ulysses.checkpoint.safety import exceptions
+
+    return any(isinstance(e, (OSError, EOFError, pickle.UnpicklingError)) or _UNREADABLE.search(str(e))
+               for e in exceptions(error))
+
+
 def load_failure(error: BaseException) -> str:
-    """The reason of a failed load of a verified checkpoint; it starts with ``DOES_NOT_FIT`` when the load failed
-    on a key or a shape (other settings), else it is damage the manager sets aside."""
+    """The reason of a failed load of a verified checkpoint: it starts with ``DOES_NOT_FIT`` when the load failed
+    on a key or a shape (other settings), with ``CODE_ERROR`` when no file read failed (a code error, e.g. fused
+    AdamW refusing a layout's parameters while the optimizer state is set up: the files are sound); only
+    the rest, a failed file read, is damage the manager sets aside."""
     hit = _MISMATCH.search(str(error))
     if hit:
         return f"{DOES_NOT_FIT}{hit.group(0).strip()[:300]}"
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    if not _is_read_error(error):
+        return f"{CODE_ERROR}{type(error).__name__}: {first}"
     return f"loading failed: {type(error).__name__}: {str(error).strip()[:500]}"
+
+
+def code_error_refusal(path: str, reason: str) -> LoadCodeError:
+    """The one line for a verified checkpoint whose load failed in the code, not in its files."""
+    return LoadCodeError(
+        f"checkpoint {path} passed verification, but loading it failed in the code, not in its files "
+        f"({reason.removeprefix(CODE_ERROR)}); nothing was set aside, renamed or changed: resume at the layout "
+        f"and version it was saved with, or report the error with this line")
 
 
 def mismatch_refusal(path: str, reason: str, saved: dict | None, current: dict | None) -> SettingsMismatchError:

@@ -7,12 +7,11 @@ manifest (``manifest.py``) and renames the folder to ``step-{N}``. A crash or a 
 save therefore never leaves a half checkpoint that resume would pick, and never touches the
 last good one. Weights or optimizer state holding NaN/inf are never saved (``safety.py``).
 
-Resume (``load()``) takes the newest checkpoint that passes verification (every file there,
-with its size and checksum: ``verify.py``, the one check every reader of a checkpoint makes,
-here with each rank checksumming a share) and loads; one that fails either is renamed to ``step-N.bad``
-with a warning naming the file and why, and the previous one is tried. At start-up
-leftover ``step-N.tmp`` folders are removed and ``step-N`` folders without ``.metadata``
-are set aside, so nothing stale blocks a later save.
+Resume (``load()``) takes the newest checkpoint that passes verification (every file's size and checksum:
+``verify.py``, each rank checksumming a share) and loads; one that fails either (a checksum, the manifest, a file
+read) is renamed ``step-N.bad`` with a warning naming the file and why, and the previous one is tried; any other
+load error is the code's: the run stops with one line and every file stays (``fit.py``). At start-up leftover
+``step-N.tmp`` folders are removed and ``step-N`` folders without ``.metadata`` are set aside.
 
 Rank 0 adds the files of ``extras(step_dir)`` (the model record of ``hf_export.py``) to
 the ``.tmp`` folder before the rename, so they are part of the complete checkpoint.
@@ -46,8 +45,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_ulysses.checkpoint import manifest
-from titan_ulysses.checkpoint.fit import (DOES_NOT_FIT, load_failure, mismatch_refusal, model_mismatch, model_shapes,
-                                          saved_settings)
+from titan_ulysses.checkpoint.fit import (CODE_ERROR, DOES_NOT_FIT, code_error_refusal, load_failure, mismatch_refusal,
+                                          model_mismatch, model_shapes, saved_settings)
 from titan_ulysses.interop.peft_export import AdapterMismatchError, check_adapters, model_only_planner
 from titan_ulysses.checkpoint.safety import (clean_up, commit_failed, explain_save_error, nonfinite_tensors, set_aside,
                                              state_bytes)
@@ -308,8 +307,8 @@ class CheckpointManager:
     def load(self, step: int = -1) -> int:
         """Resume: load the newest good checkpoint of this run (or the given step); the step, or 0.
 
-        Checkpoints that fail verification or loading are set aside (``step-N.bad``) with a warning, and the
-        previous one is tried. A good one of other settings (``check_settings``, keys, shapes: ``fit.py``) is
+        Checkpoints that fail verification or a file read while loading are set aside (``step-N.bad``) with a
+        warning, and the previous one is tried; any other load error stops the run (``LoadCodeError``). A good one of other settings (``check_settings``, keys, shapes: ``fit.py``) is
         refused before anything is loaded, and never set aside.
         """
         self.wait()
@@ -335,6 +334,8 @@ class CheckpointManager:
                 misfit = next((r for r in reasons if r.startswith(DOES_NOT_FIT)), None)  # not damage
                 if misfit:
                     raise mismatch_refusal(path, misfit, self._from_rank0(self._saved(path)), self.settings)
+                if any(r.startswith(CODE_ERROR) for r in reasons):  # nor is a code error: stop, set nothing aside
+                    raise code_error_refusal(path, next(r for r in reasons if r.startswith(CODE_ERROR)))
                 reason, touched = reasons[0], path
             if self.rank == 0:
                 _warn(f"checkpoint {path} is damaged: {reason}; moved aside to {set_aside(path)}, "

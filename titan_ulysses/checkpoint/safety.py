@@ -67,7 +67,7 @@ def clean_up(folder: str, warn) -> None:
             warn(f"{path} has no .metadata (an incomplete checkpoint); moved aside to {set_aside(path)}")
 
 
-def _exceptions(exc: BaseException):
+def exceptions(exc: BaseException):
     """``exc``, its causes, and the per-rank failures a DCP CheckpointException carries."""
     seen, todo = set(), [exc]
     while todo:
@@ -82,7 +82,7 @@ def _exceptions(exc: BaseException):
 
 
 def is_out_of_space(exc: BaseException) -> bool:
-    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _exceptions(exc))
+    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in exceptions(exc))
 
 
 def state_bytes(model, optimizer) -> int:
@@ -94,7 +94,7 @@ def state_bytes(model, optimizer) -> int:
 
 
 def _first_line(exc: BaseException) -> str:
-    e = next((e for e in _exceptions(exc) if not getattr(e, "failures", None)), exc)  # the rank's own error
+    e = next((e for e in exceptions(exc) if not getattr(e, "failures", None)), exc)  # the rank's own error
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 

@@ -69,7 +69,14 @@ def _convert(key: str, value, kind: type, from_cli: bool = False, where: str = "
         pass
     hint = ""
     if isinstance(value, str) and kind is not str and where:
-        hint = f" (a string in {where}: write {key.split('.', 1)[1]} = {value} without quotes)"
+        name = key.split(".", 1)[1]
+        what, example = {bool: ("true or false", "true"), int: ("a whole number", "2"),
+                         float: ("a number", "0.5")}.get(kind, (kind.__name__, "..."))
+        try:  # drop the quotes only where the bare value is one: `ulysses_degree = many` is no number either
+            _convert(key, value, kind, from_cli=True)
+            hint = f" (a string in {where}: write {name} = {value} without quotes)"
+        except ConfigError:
+            hint = f" (a string in {where}: write {what} without quotes, e.g. {name} = {example})"
     raise ConfigError(f"{key} expects {kind.__name__}{' (true or false)' if kind is bool else ''}, got {value!r}{hint}")
 
 
@@ -132,6 +139,9 @@ def load_config(argv: list[str]) -> JobConfig:
             raise ConfigError(f"--config {path}: cannot read the file ({e.strerror})") from e
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"--config {path}: not valid TOML ({e})") from e
+        except UnicodeDecodeError as e:  # a binary file: tomllib decodes before it parses
+            raise ConfigError(f"--config {path}: not a TOML text file (byte {e.start} is not UTF-8); name a .toml "
+                              f"config") from e
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise _unknown(section, config)
@@ -248,11 +258,25 @@ def _check_hf_dataset(t) -> None:
 
 
 def _check_path(key: str, path: str, kind: str) -> None:
-    if kind == "passkey":
+    if kind == "passkey":  # a path beside it is not read: said at start-up and in the dry run (unread_dataset_path)
         return
     if not path:  # a path that does not exist is the data builder's one-line DataError
         raise ConfigError(f"{key.rsplit('.', 1)[0]}.dataset {kind!r} needs {key} "
                           f"(a file or a folder of {'.txt/' if kind == 'text' else ''}.jsonl/.parquet)")
+
+
+def unread_dataset_path(config: JobConfig) -> str | None:
+    """The note for a ``dataset_path`` that the synthetic passkey dataset does not read (a shipped config's
+    ``./data`` under ``--training.dataset passkey``, the documented way to try a config without data), or None.
+    Said at start-up and in the dry run: it was dropped silently (issue 43)."""
+    t, v = config.training, config.validation
+    unread = [(f"{name}.dataset_path", path) for name, kind, path, on in (
+        ("training", t.dataset, t.dataset_path, True), ("validation", v.dataset or t.dataset, v.dataset_path, v.enable))
+        if on and kind == "passkey" and path]
+    if not unread:
+        return None
+    return (f"the passkey dataset is synthetic: {', '.join(f'{k} {p!r}' for k, p in unread)} is not read (set "
+            f"training.dataset to 'text' or 'sft' to train on it)")
 
 
 def to_dict(config: JobConfig) -> dict:

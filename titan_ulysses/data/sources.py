@@ -81,10 +81,16 @@ def read_rows(item: WorkItem):
     if item.kind == "txt":
         with open(item.path, "rb") as f:
             data = f.read()
+        nul = data.find(b"\0")  # valid UTF-8, but no text holds it: a binary file (an all-NUL one trained)
+        if nul >= 0:
+            raise DataError(f"{item.path}: not text (a NUL byte at byte {nul}: a binary file?); name .txt files "
+                            f"of UTF-8 text")
         try:
-            yield item.path, data.decode("utf-8")
+            text = data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"{item.path}: not UTF-8 text (byte {e.start}); re-encode it as UTF-8") from e
+        if text.strip():  # an empty file is no document (not one of only BOS and EOS)
+            yield item.path, text
         return
     if item.kind == "parquet":
         table = _parquet_file(item.path).read_row_group(item.start)

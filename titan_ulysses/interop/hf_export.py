@@ -1,4 +1,5 @@
-"""A DCP checkpoint -> a Hugging Face model folder that ``transformers`` loads; and the record that makes it possible.
+"""A DCP checkpoint -> a Hugging Face model folder that ``transformers`` loads (the record that makes it possible
+is ``model_record.py``'s).
 
 Every checkpoint holds ``model_args.json`` (the model arguments it was trained with and,
 for runs started from a Hugging Face folder, that folder's ``config.json``) and, for those
@@ -16,12 +17,8 @@ import dataclasses
 import json
 import os
 import shutil
-import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_ulysses.interop.hf_adapter import (
     experts_to_theirs,
@@ -32,96 +29,24 @@ from titan_ulysses.interop.hf_adapter import (
     ours_to_theirs,
     part_name,
 )
-from titan_ulysses.interop.hf_check import weights_dtype
+from titan_ulysses.interop.model_record import (  # noqa: F401 (the record's names, imported from here before)
+    ASSET_SUFFIXES,
+    ASSETS,
+    RECORD,
+    _read_record,
+    model_metadata,
+    read_data_settings,
+    read_model_record,
+    read_model_weights,
+    recorded_seq_len,
+    write_model_record,
+)
 from titan_ulysses.interop.peft_export import merge, pop_adapters, scaling_of
 from titan_ulysses.checkpoint.steps import missing_checkpoint
 from titan_ulysses.checkpoint.verify import verify_checkpoint
-from titan_ulysses.models.decoder.args import DecoderArgs, RopeScaling
+from titan_ulysses.models.decoder.args import DecoderArgs
 from titan_ulysses.models.families.common import rope_config
-from titan_ulysses.models.moe.args import MoEArgs
 from titan_ulysses.models.registry import get_family
-
-RECORD = "model_args.json"
-ASSETS = "hf_assets"
-# the files of a Hugging Face folder that are not weights and that an export carries over
-ASSET_SUFFIXES = (".json", ".model", ".txt", ".jinja", ".tiktoken")
-_RUNTIME_FIELDS = ("attn_backend", "sdpa_backends", "mlp_tile_size", "loss_backend", "loss_chunk_size")  # how it ran, not what it is
-
-
-# -- the record ------------------------------------------------------------------------------
-
-
-def write_model_record(step_dir: str, args: DecoderArgs, hf_assets_path: str = "", seq_len: int = 0) -> None:
-    """Write ``model_args.json`` (and ``hf_assets/`` when the run came from a Hugging Face folder) into a checkpoint.
-
-    ``seq_len``: the length the run trains at; export raises ``max_position_embeddings`` to it.
-    """
-    record = {"args": {k: v for k, v in dataclasses.asdict(args).items() if k not in _RUNTIME_FIELDS}}
-    if seq_len:
-        record["seq_len"] = seq_len
-    if hf_assets_path:
-        dtype = _source_weights_dtype(hf_assets_path)
-        if dtype:
-            record["weights_dtype"] = dtype
-        os.makedirs(os.path.join(step_dir, ASSETS), exist_ok=True)
-        for name in sorted(os.listdir(hf_assets_path)):
-            src = os.path.join(hf_assets_path, name)
-            if os.path.isfile(src) and name.endswith(ASSET_SUFFIXES) and not name.endswith(".index.json"):
-                shutil.copyfile(src, os.path.join(step_dir, ASSETS, name))
-        with open(os.path.join(hf_assets_path, "config.json")) as f:
-            record["hf_config"] = json.load(f)
-    with open(os.path.join(step_dir, RECORD), "w") as f:
-        json.dump(record, f, indent=2)
-
-
-def _source_weights_dtype(hf_assets_path: str) -> str | None:
-    """The dtype of the source folder's safetensors (its headers); for a start checkpoint's ``hf_assets/``
-    (context extension), the one that checkpoint recorded; None when neither says."""
-    dtype = weights_dtype(hf_assets_path)
-    folder = os.path.normpath(hf_assets_path)
-    if dtype is None and os.path.basename(folder) == ASSETS:
-        dtype = (_read_record(os.path.dirname(folder)) or {}).get("weights_dtype")
-    return dtype
-
-
-def _read_record(step_dir: str) -> dict | None:
-    path = os.path.join(step_dir, RECORD)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def recorded_seq_len(step_dir: str) -> int:
-    """The training length a checkpoint's record names (0: none recorded)."""
-    return int((_read_record(step_dir) or {}).get("seq_len", 0))
-
-
-def read_model_record(step_dir: str) -> tuple[DecoderArgs, dict | None] | None:
-    """(args, source config.json or None) recorded in a checkpoint; None for checkpoints without a record."""
-    record = _read_record(step_dir)
-    if record is None:
-        return None
-    fields = {k: v for k, v in record["args"].items() if k not in _RUNTIME_FIELDS}  # older records kept them
-    for key in ("rope_scaling", "local_rope_scaling"):
-        if fields.get(key) is not None:
-            fields[key] = RopeScaling(**fields[key])
-    if fields.get("moe") is not None:
-        fields["moe"] = MoEArgs(**fields["moe"])
-    return get_family(fields.get("family", "llama")).args_class(**fields), record.get("hf_config")
-
-
-def read_data_settings(checkpoint_dir: str) -> dict | None:
-    """The data settings a checkpoint was trained with (seq_len, dataset, tokenizer, ...), None when unrecorded."""
-    key = "dataloader.dataset_state.data_settings"
-    if key not in FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata:
-        return None
-    state = {"dataloader": {"dataset_state": {"data_settings": ""}}}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=checkpoint_dir, no_dist=True)
-    return json.loads(state["dataloader"]["dataset_state"]["data_settings"])
-
 
 # -- config.json -----------------------------------------------------------------------------
 
@@ -180,17 +105,6 @@ def hf_config(args: DecoderArgs, dtype: torch.dtype, max_position_embeddings: in
 # -- weights ---------------------------------------------------------------------------------
 
 
-def _model_metadata(checkpoint_dir: str) -> dict[str, TensorStorageMetadata]:
-    metadata = FileSystemReader(checkpoint_dir).read_metadata()
-    model = {
-        key[len("model."):]: meta for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
-    }
-    if not model:
-        raise ValueError(f"{checkpoint_dir!r} holds no model weights")
-    return model
-
-
 def check_checkpoint_shapes(found: dict[str, tuple], args: DecoderArgs, what: str) -> None:
     """Refuse (ValueError, one line) a checkpoint whose tensors are not those of a model of ``args``."""
     expected = our_shapes(args)
@@ -228,24 +142,13 @@ def check_dcp_model_shapes(checkpoint_dir: str, args: DecoderArgs) -> None:
     reason = missing_checkpoint(checkpoint_dir)
     if reason:
         raise FileNotFoundError(reason)
-    meta = _model_metadata(checkpoint_dir)
+    meta = model_metadata(checkpoint_dir)
     pop_adapters(meta)  # a LoRA run's adapters: their base weights are what must fit
     found = {k: tuple(m.size) for k, m in meta.items()}
     try:
         check_checkpoint_shapes(found, args, "of this run (model.flavor / model.hf_assets_path)")
     except ValueError as e:
         raise ValueError(f"{e}{record_hint(checkpoint_dir)}") from None
-
-
-def read_model_weights(checkpoint_dir: str, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Full (unsharded) model weights of a checkpoint (all, or ``names``), read without a process group."""
-    metadata = _model_metadata(checkpoint_dir)
-    model = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
-             if names is None or k in names}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": model}, checkpoint_id=checkpoint_dir, no_dist=True)
-    return model
 
 
 def source_dtype(checkpoint_dir: str) -> tuple[torch.dtype, str]:
@@ -263,7 +166,7 @@ def source_dtype(checkpoint_dir: str) -> tuple[torch.dtype, str]:
     if isinstance(recorded, str) and isinstance(getattr(torch, recorded, None), torch.dtype):
         dtype, why = getattr(torch, recorded), "the dtype of the source weights"
     else:
-        dtypes = {m.properties.dtype for m in _model_metadata(checkpoint_dir).values()}
+        dtypes = {m.properties.dtype for m in model_metadata(checkpoint_dir).values()}
         dtype = max(dtypes, key=lambda d: d.itemsize)  # mixed (none today): the widest
         why = "the dtype of the saved parameters"
         if hf:
@@ -285,6 +188,72 @@ def _plan_shards(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
     return shards + [current] if current else shards
 
 
+def _model_of(checkpoint_dir: str, args: DecoderArgs | None) -> tuple[DecoderArgs, dict | None]:
+    """The model to export (``args``, else the checkpoint's record) and the source config.json (None: none)."""
+    record = read_model_record(checkpoint_dir)
+    if args is not None:
+        return args, record[1] if record is not None else None
+    if record is None:
+        raise ValueError(f"{checkpoint_dir!r} has no {RECORD} (a checkpoint written before it existed); "
+                         f"pass --flavor (and the run's rope overrides)")
+    return record
+
+
+def _shard_state(checkpoint_dir: str, shard: list[str], tensors: dict, adapters: dict, scaling: float,
+                 args: DecoderArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors of one output shard, read from the checkpoint (a LoRA run's adapters merged)."""
+    names = list(dict.fromkeys(part_name(p) for theirs in shard for p in tensors[theirs]))  # an expert weight once
+    ours_state = read_model_weights(checkpoint_dir, names + [n for ours in names for n in adapters.get(ours, ())])
+    state = {}
+    for theirs in shard:
+        if is_expert(tensors[theirs]):  # no LoRA on experts (refused at launch)
+            state[theirs] = experts_to_theirs(tensors[theirs], ours_state).to(dtype).contiguous()
+            continue
+        parts = []
+        for ours, heads in tensors[theirs]:
+            w = ours_state.pop(ours)
+            if ours in adapters:  # a LoRA run's adapted weight: W + alpha/rank * B @ A, in our layout
+                w = merge(w, ours_state.pop(adapters[ours][0]), ours_state.pop(adapters[ours][1]), scaling)
+            parts.append(ours_to_theirs(w, heads, args))
+        state[theirs] = join(parts).to(dtype).contiguous()
+    return state
+
+
+def _write_weights(checkpoint_dir: str, args: DecoderArgs, output_dir: str, dtype: torch.dtype,
+                   max_shard_size: int) -> list[str]:
+    """The safetensors files (one, or shards with their index), one shard in host memory at a time."""
+    from safetensors.torch import save_file
+
+    meta = model_metadata(checkpoint_dir)
+    adapters = pop_adapters(meta)  # a LoRA run's: merged into their base weights
+    scaling = scaling_of(checkpoint_dir, adapters)
+    check_checkpoint_shapes({k: tuple(m.size) for k, m in meta.items()}, args, "given (flavor / overrides)")
+    tensors = hf_tensors(args)
+    sizes = {theirs: _hf_numel(parts, meta) * dtype.itemsize for theirs, parts in tensors.items()}
+    shards = _plan_shards(sizes, max_shard_size)
+    written, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(_shard_state(checkpoint_dir, shard, tensors, adapters, scaling, args, dtype),
+                  os.path.join(output_dir, file), metadata={"format": "pt"})
+        written.append(file)
+        weight_map.update(dict.fromkeys(shard, file))
+    if len(shards) > 1:
+        with open(os.path.join(output_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f, indent=2)
+        written.append("model.safetensors.index.json")
+    return written
+
+
+def _copy_assets(checkpoint_dir: str, output_dir: str) -> list[str]:
+    """The source folder's tokenizer and other files the checkpoint carries (``hf_assets/``), but config.json."""
+    assets = os.path.join(checkpoint_dir, ASSETS)
+    names = sorted(n for n in os.listdir(assets) if n != "config.json") if os.path.isdir(assets) else []
+    for name in names:
+        shutil.copyfile(os.path.join(assets, name), os.path.join(output_dir, name))
+    return names
+
+
 def export_hf(checkpoint_dir: str, args: DecoderArgs | None, output_dir: str, dtype: torch.dtype | None = None,
               max_position_embeddings: int = 131072, max_shard_size: int = 5 * 2**30) -> list[str]:
     """Write a Hugging Face folder for ``checkpoint_dir``; ``args`` None reads them from its record.
@@ -293,64 +262,12 @@ def export_hf(checkpoint_dir: str, args: DecoderArgs | None, output_dir: str, dt
     against its manifest before reading anything (``verify.py``). Returns the names of
     the files written.
     """
-    from safetensors.torch import save_file
-
     verify_checkpoint(checkpoint_dir, "--checkpoint")  # nothing is read from a checkpoint that fails it
-    if dtype is None:
-        dtype = source_dtype(checkpoint_dir)[0]
-
-    record = read_model_record(checkpoint_dir)
-    base = None
-    if args is None:
-        if record is None:
-            raise ValueError(f"{checkpoint_dir!r} has no {RECORD} (a checkpoint written before it existed); "
-                             f"pass --flavor (and the run's rope overrides)")
-        args, base = record
-    elif record is not None:
-        base = record[1]
-    meta = _model_metadata(checkpoint_dir)
-    adapters = pop_adapters(meta)  # a LoRA run's: merged into their base weights below
-    scaling = scaling_of(checkpoint_dir, adapters)
-    check_checkpoint_shapes({k: tuple(m.size) for k, m in meta.items()}, args, "given (flavor / overrides)")
-    tensors = hf_tensors(args)
-    sizes = {theirs: _hf_numel(parts, meta) * dtype.itemsize for theirs, parts in tensors.items()}
-    shards = _plan_shards(sizes, max_shard_size)
+    dtype = dtype or source_dtype(checkpoint_dir)[0]
+    args, base = _model_of(checkpoint_dir, args)
     os.makedirs(output_dir, exist_ok=True)
-    weight_map, written, total = {}, [], 0
-    for i, shard in enumerate(shards):
-        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        state = {}
-        names = list(dict.fromkeys(part_name(p) for theirs in shard for p in tensors[theirs]))  # an expert weight once
-        ours_state = read_model_weights(checkpoint_dir, names + [n for ours in names for n in adapters.get(ours, ())])
-        for theirs in shard:
-            if is_expert(tensors[theirs]):  # no LoRA on experts (refused at launch)
-                state[theirs] = experts_to_theirs(tensors[theirs], ours_state).to(dtype).contiguous()
-                weight_map[theirs] = file
-                total += sizes[theirs]
-                continue
-            parts = []
-            for ours, heads in tensors[theirs]:
-                w = ours_state.pop(ours)
-                if ours in adapters:  # a LoRA run's adapted weight: W + alpha/rank * B @ A, in our layout
-                    w = merge(w, ours_state.pop(adapters[ours][0]), ours_state.pop(adapters[ours][1]), scaling)
-                parts.append(ours_to_theirs(w, heads, args))
-            state[theirs] = join(parts).to(dtype).contiguous()
-            weight_map[theirs] = file
-            total += sizes[theirs]
-        del ours_state
-        save_file(state, os.path.join(output_dir, file), metadata={"format": "pt"})
-        written.append(file)
-        del state
-    if len(shards) > 1:
-        with open(os.path.join(output_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        written.append("model.safetensors.index.json")
-    assets = os.path.join(checkpoint_dir, ASSETS)
-    if os.path.isdir(assets):
-        for name in sorted(os.listdir(assets)):
-            if name != "config.json":
-                shutil.copyfile(os.path.join(assets, name), os.path.join(output_dir, name))
-                written.append(name)
+    written = _write_weights(checkpoint_dir, args, output_dir, dtype, max_shard_size)
+    written += _copy_assets(checkpoint_dir, output_dir)
     with open(os.path.join(output_dir, "config.json"), "w") as f:
         json.dump(hf_config(args, dtype, max_position_embeddings, base, recorded_seq_len(checkpoint_dir)), f, indent=2)
     return written + ["config.json"]

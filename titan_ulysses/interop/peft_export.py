@@ -82,7 +82,7 @@ def export_peft_adapter(checkpoint_dir: str, output_dir: str, base_model: str = 
     from safetensors.torch import save_file
 
     from titan_ulysses.interop.hf_adapter import hf_tensors, ours_to_theirs
-    from titan_ulysses.interop.hf_export import _model_metadata, read_model_record, read_model_weights
+    from titan_ulysses.interop.model_record import model_metadata, read_model_record, read_model_weights
     from titan_ulysses.checkpoint.verify import verify_checkpoint
 
     verify_checkpoint(checkpoint_dir, "--checkpoint")  # it exists and matches its manifest, before any read
@@ -92,7 +92,7 @@ def export_peft_adapter(checkpoint_dir: str, output_dir: str, base_model: str = 
         raise ValueError(f"{checkpoint_dir!r} is not a LoRA checkpoint of this trainer (no {RECORD} or "
                          f"model_args.json): --adapter-only needs both")
     args = model_record[0]
-    adapters = pop_adapters(dict(_model_metadata(checkpoint_dir)))
+    adapters = pop_adapters(dict(model_metadata(checkpoint_dir)))
     weights = read_model_weights(checkpoint_dir, [n for pair in adapters.values() for n in pair])
     names = {parts[0][0]: (theirs, parts[0][1]) for theirs, parts in hf_tensors(args).items() if len(parts) == 1}
     fused = sorted(base for base in adapters if base not in names)

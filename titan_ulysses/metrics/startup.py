@@ -1,9 +1,10 @@
 """The start-up line rank 0 prints once the run is built: what trains, from which weights, on
 which layout, batch, device and attention kernel, from which step, and the notes that go
-with it (uneven heads, the start record, a fake process group)."""
+with it (uneven heads, the start record, a fake process group, a dataset path passkey does not read)."""
 
 from __future__ import annotations
 
+from titan_ulysses.config.manager import unread_dataset_path
 from titan_ulysses.distributed.heads import uneven_note
 from titan_ulysses.models.registry import num_params
 from titan_ulysses.ops.attention import sdpa_priority
@@ -24,7 +25,8 @@ def startup_line(config, spec, weights, compute, options, parallel_dims, params:
         attention += f" ({' > '.join(order)})" if order else " (PyTorch's kernel order)"
     trainable, total = params
     lora = options.lora
-    notes = [uneven_note(args.n_heads, args.n_kv_heads, pd.sp, pd.tp), record_note, *spec.notes]
+    notes = [uneven_note(args.n_heads, args.n_kv_heads, pd.sp, pd.tp), record_note, *spec.notes,
+             unread_dataset_path(config)]
     return (
         f"titan-ulysses: {num_params(args) / 1e6:.1f}M params, {source}, "
         + (f"LoRA rank {lora.rank} on {','.join(lora.targets)}: "

@@ -101,8 +101,9 @@ def _data(config: JobConfig, tokenizer, kind: str, path: str, name: str) -> str:
     t = config.training
     if kind == "passkey":
         sample = PasskeyDataset(tokenizer, t.seq_len, t.seed, t.passkey_digits)[0]
+        unread = f"; {name}.dataset_path {path!r} is not read" if path else ""  # said, not dropped silently
         return (f"{name} data: passkey (synthetic), {t.passkey_digits}-digit keys, sample 0 holds "
-                f"{sample['input'].numel()} tokens")
+                f"{sample['input'].numel()} tokens{unread}")
     key = f"{name}.dataset_path"
     if is_hf(path):  # a `datasets` split (loaded, so downloaded unless offline)
         items, source = hf_items(path, key)

@@ -40,13 +40,18 @@ def output_folder_problem(key: str, path: str) -> str | None:
 
 
 def output_folders_problem(config) -> str | None:
-    """``job.dump_folder``, ``checkpoint.folder`` (when enabled) and with ``metrics.enable_tensorboard`` its ``tb``
-    folder, as folders a run can write."""
+    """``job.dump_folder``, ``checkpoint.folder`` (when enabled), with ``metrics.enable_tensorboard`` its ``tb``
+    folder, and the ``[profiling]`` folders that are enabled, as folders a run can write."""
     dump = config.job.dump_folder
     problem = output_folder_problem("job.dump_folder", dump)
     if not problem and config.checkpoint.enable:
         problem = output_folder_problem("checkpoint.folder", os.path.join(dump, config.checkpoint.folder))
-    if problem or not config.metrics.enable_tensorboard:
-        return problem
-    problem = output_folder_problem("its tensorboard folder", os.path.join(dump, "tb"))
-    return f"metrics.enable_tensorboard: {problem}; or set metrics.enable_tensorboard false" if problem else None
+    if not problem and config.metrics.enable_tensorboard:
+        problem = output_folder_problem("its tensorboard folder", os.path.join(dump, "tb"))
+        problem = problem and f"metrics.enable_tensorboard: {problem}; or set metrics.enable_tensorboard false"
+    p = config.profiling  # the profiler writes from a callback that crashed every rank (SIGSEGV) on a bad folder
+    for enabled, key in ((p.enable_profiling, "save_traces_folder"),
+                         (p.enable_memory_snapshot, "save_memory_snapshot_folder")):
+        if not problem and enabled:
+            problem = output_folder_problem(f"profiling.{key}", os.path.join(dump, getattr(p, key)))
+    return problem

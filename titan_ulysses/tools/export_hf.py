@@ -9,9 +9,10 @@ The weights are written in the dtype they came in: a run started from a Hugging 
 exports the dtype of that folder's safetensors (recorded in the checkpoint; the output line says
 so when its config.json names another), a run from scratch the dtype of its saved parameters
 (float32); --dtype overrides (e.g. bfloat16 for a smaller folder). The checkpoint is verified
-against its manifest first: a damaged one is refused, nothing is written. A non-empty --output
-folder is refused unless --overwrite (then replaced whole), one inside a checkpoint always; the
-folder is written beside --output and renamed into place once complete (``runs/outputs.py``).
+against its manifest first: a damaged one is refused, nothing is written. An --output that is,
+holds or lies inside a run or a checkpoint is always refused; a non-empty one is refused unless it
+holds nothing but a previous export and --overwrite is given (then replaced whole); the folder is
+written beside --output and renamed into place once complete (``runs/outputs.py``).
 
 Every checkpoint records the model arguments it was trained with (``model_args.json``)
 and, for runs started from a Hugging Face folder, that folder's config.json and tokenizer
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     parser.add_argument("--adapter-only", action="store_true",
                         help="LoRA checkpoints: write only the adapters, as a peft folder")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace a non-empty --output folder whole (refused without it)")
+                        help="replace an --output folder that holds a previous export, whole (never a run or other files)")
     parser.add_argument("--base-model", default="",
                         help="with --adapter-only: base_model_name_or_path to write (default: the run's model.hf_assets_path)")
     a, settings = parser.parse_known_args(argv)
@@ -99,13 +100,13 @@ def main(argv=None) -> int:
             if problem:
                 raise ValueError(problem)
         if a.adapter_only:
-            with staged_folder(a.output) as tmp:  # written whole beside it, then renamed into place
+            with staged_folder(a.output, mark=True) as tmp:  # written whole beside it, then renamed into place
                 written = export_peft_adapter(a.checkpoint, tmp, a.base_model)
             print(f"wrote {a.output}: {', '.join(written)}")
             return 0
         args = spec_args(a, settings)
         dtype = getattr(torch, a.dtype) if a.dtype else None  # None: export_hf takes source_dtype's, once verified
-        with staged_folder(a.output) as tmp:
+        with staged_folder(a.output, mark=True) as tmp:
             written = export_hf(a.checkpoint, args, tmp, dtype, a.max_position_embeddings, a.max_shard_size)
         dtype, how = (dtype, "--dtype") if dtype else source_dtype(a.checkpoint)
     except (OSError, ValueError) as e:

@@ -80,8 +80,11 @@ def parallelize_decoder(
         apply_activation_offload(model)  # outside the compiled region
     # FSDP2 is what casts parameters to param_dtype for compute, so a single rank with bf16
     # compute is wrapped too (over a mesh of one); otherwise it would silently train in fp32.
-    single_rank_mixed = options.param_dtype != torch.float32 and not parallel_dims.tp_enabled
-    if parallel_dims.fsdp_enabled or single_rank_mixed:
+    # tp alone is wrapped too: FSDP makes every parameter a DTensor (the norms, the embedding and
+    # the output layer, which TP leaves plain), so the optimizer's fused/foreach kernels get one
+    # kind of tensor; without it fused AdamW refused "mixed torch.Tensor and DTensor" (issue 43).
+    one_rank_wrap = options.param_dtype != torch.float32 or parallel_dims.tp_enabled
+    if parallel_dims.fsdp_enabled or one_rank_wrap:
         apply_fsdp(model, parallel_dims.get_mesh("fsdp"), options.param_dtype, options.reduce_dtype,
                    cpu_offload=options.cpu_offload,
                    expert_mesh=parallel_dims.get_mesh("ep_fsdp") if parallel_dims.ep_enabled else None)
