@@ -1,4 +1,4 @@
-"""integrations/transformers.py: transformers' own decoders under apply_ulysses equal one process.
+"""integrations/transformers/: transformers' own decoders under apply_ulysses equal one process.
 
 Loss, logits and every gradient at sp=2 and sp=3 against the same model run whole in one
 process, on a batch that holds packed documents (positions restarting), ignored labels and

@@ -17,10 +17,7 @@ documents (positions restarting at 0) exactly as one process would see them. A f
 pre-hook gathers those positions once per forward (one small all-gather) and passes them down
 the model's ``**kwargs``; a rank's own ``position_ids`` stay global, so RoPE is right.
 
-:func:`shard_batch` cuts a full batch into this rank's slice (labels shifted on the full
-sequence first), :func:`sp_loss` turns logits or transformers' per-rank mean loss into the
-token mean of the whole mesh, and :func:`fsdp_mesh` is the mesh ``fully_shard`` must cover
-(every rank: sp ranks hold the same parameters but see other tokens). docs/transformers.md.
+docs/transformers.md.
 """
 
 from __future__ import annotations
@@ -30,32 +27,17 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_ulysses.data.sharding import shard_batch as _shard
 from titan_ulysses.distributed.ulysses import UlyssesAttention, check_heads
-from titan_ulysses.ops.loss import IGNORE_INDEX
 
-__all__ = ["apply_ulysses", "fsdp_mesh", "shard_batch", "sp_loss"]
+from .batch import _sp_mesh
+
+__all__ = ["apply_ulysses"]
 
 FULL_POSITIONS = "ulysses_full_position_ids"
 """The kwarg that carries the full sequence's positions [B, S] from the pre-hook to every attention call."""
-
-
-def _sp_mesh(mesh: DeviceMesh, sp_dim: str) -> DeviceMesh:
-    names = mesh.mesh_dim_names or ()
-    if sp_dim not in names:
-        raise ValueError(f"mesh has dims {list(names)}, no {sp_dim!r}: name the sequence-parallel dim with sp_dim=")
-    return mesh[sp_dim] if mesh.ndim > 1 else mesh
-
-
-def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """Every rank of ``mesh`` as one 1-D mesh: what ``fully_shard`` shards over and reduces gradients on."""
-    if mesh.ndim == 1:
-        return mesh
-    return mesh._flatten("_".join(mesh.mesh_dim_names))
 
 
 def _refusal(model: nn.Module) -> str | None:
@@ -239,56 +221,3 @@ def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp") -> nn.
     model.set_attn_implementation(name)
     model.register_forward_pre_hook(_positions_hook(sp_mesh), with_kwargs=True)
     return model
-
-
-def shard_batch(batch: dict, mesh: DeviceMesh, sp_dim: str = "sp", pad_token_id: int = 0) -> dict:
-    """This sp rank's slice of a full batch (the same on every rank of an sp group).
-
-    ``batch``: ``input_ids`` [B, S]; optional ``labels`` (transformers' convention: unshifted,
-    -100 ignored; default ``input_ids``), ``position_ids`` (packed documents restart at 0) and
-    ``attention_mask`` (right padding only). Returns ``input_ids``, ``position_ids`` (global)
-    and ``shift_labels``: labels shifted on the full sequence, -100 on padding, so that
-    position t predicts token t+1 even across the slice boundary. S is padded to a multiple of sp.
-    """
-    sp_mesh = _sp_mesh(mesh, sp_dim)
-    ids = batch["input_ids"]  # [B, S]
-    labels = batch.get("labels")
-    labels = ids if labels is None else labels
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # [B, S]: the label of token t is token t+1
-    mask = batch.get("attention_mask")
-    if mask is not None:
-        mask = mask.bool()
-        if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-            raise ValueError("shard_batch: attention_mask has padding before real tokens; pad on the right "
-                             "(tokenizer.padding_side = 'right') or pack documents with position_ids")
-        shifted = shifted.masked_fill(~F.pad(mask[:, 1:], (0, 1), value=False), IGNORE_INDEX)
-    part = _shard(ids, shifted, sp_mesh.get_local_rank(), sp_mesh.size(), positions=batch.get("position_ids"),
-                  pad_token=pad_token_id)
-    return {"input_ids": part.tokens.contiguous(), "position_ids": part.positions.contiguous(),
-            "shift_labels": part.labels.contiguous()}  # [B, S_pad/sp] each; transformers' loss views them flat
-
-
-def sp_loss(logits_or_loss: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """The token-mean loss of the whole batch over every rank of ``mesh``, from this rank's share.
-
-    ``logits_or_loss``: this rank's logits [B, S/P, V], or transformers' loss of them (the mean
-    over this rank's tokens, from ``shift_labels``; every rank must then hold a loss token).
-    ``labels``: this rank's ``shift_labels``. As ``forward_backward``: this rank's summed token
-    losses over the token count of the whole mesh (one all-reduce of the sum and the count). The
-    value returned is that global mean on every rank; its gradient is the rank's share times
-    the mesh size, which ``fully_shard``'s default mean over :func:`fsdp_mesh` turns into one
-    process's gradient.
-    """
-    count = (labels != IGNORE_INDEX).sum()
-    if logits_or_loss.dim() == 0:
-        local = logits_or_loss.float() * count
-    else:
-        local = F.cross_entropy(logits_or_loss.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                reduction="sum")
-    totals = torch.stack([local.detach(), count.to(local.dtype)])
-    for dim in range(mesh.ndim):  # summed over every rank of the mesh
-        if mesh.size(dim) > 1:
-            dist.all_reduce(totals, group=mesh.get_group(dim))
-    total, n_tokens = totals[0], totals[1]
-    share = local * mesh.size() / n_tokens
-    return share + (total / n_tokens - share.detach())
