@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_ulysses.distributed.ulysses import UlyssesAttention, check_heads
 
 from .batch import _sp_mesh
+from .mixing import token_mixer
 
 __all__ = ["apply_ulysses"]
 
@@ -59,6 +60,14 @@ def _refusal(model: nn.Module) -> str | None:
                     f"Ulysses wraps causal decoder self-attention only")
     if getattr(config, "num_attention_heads", None) is None:
         return f"apply_ulysses: {name}'s config has no num_attention_heads"
+    if any(p.is_meta for p in model.parameters()):
+        return (f"apply_ulysses: {name} has weights on the meta device; load or materialise them first "
+                f"(one probe forward checks that only attention mixes tokens)")
+    mixer = token_mixer(model)
+    if mixer:
+        return (f"apply_ulysses: {name}'s {mixer} mixes tokens outside transformers' attention interface "
+                f"(a convolution, state-space or recurrent layer would see only its rank's slice); "
+                f"only models whose every token-mixing layer is attention can be split")
     return None
 
 

@@ -1,0 +1,74 @@
+"""integrations/transformers/: what apply_ulysses, shard_batch and sp_loss refuse, in one line each.
+
+Hybrid decoders whose token-mixing layers are not all attention (LFM2's convolutions,
+GraniteMoeHybrid's mamba, RecurrentGemma's recurrence) would compute each rank's slice on
+its own: they are refused by a probe that finds any module mixing tokens outside
+transformers' attention interface (mixing.py), while Llama passes it. Single process: the
+refusals come before any collective.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, vocab_size=128, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+HYBRIDS = {
+    # name: (config, the layer and class the refusal must name)
+    "lfm2": (lambda: transformers.Lfm2Config(**BASE, layer_types=["full_attention", "conv"]),
+             "model.layers.1.conv (Lfm2ShortConv)"),
+    "granitemoehybrid": (lambda: transformers.GraniteMoeHybridConfig(
+        **BASE, layer_types=["attention", "mamba"], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8,
+        num_local_experts=2, num_experts_per_tok=1), "model.layers.1.mamba (GraniteMoeHybridMambaLayer)"),
+    "recurrentgemma": (lambda: transformers.RecurrentGemmaConfig(
+        **{k: v for k, v in BASE.items() if k != "max_position_embeddings"}, lru_width=64, attention_window_size=8,
+        block_types=["attention", "recurrent"]), "model.layers.1.temporal_block.rg_lru (RecurrentGemmaRglru)"),
+}
+
+
+def tiny(config):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def one_line(fn, *args, match: str, **kwargs):
+    with pytest.raises(ValueError, match=match) as e:
+        fn(*args, **kwargs)
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("name", list(HYBRIDS))
+def test_hybrid_token_mixers_are_refused(name):
+    from titan_ulysses.integrations.transformers import apply_ulysses
+
+    config, layer = HYBRIDS[name]
+    model = tiny(config())
+    kernel = model.config._attn_implementation
+    message = one_line(apply_ulysses, model, None, match="mixes tokens outside transformers' attention interface")
+    assert f"{type(model).__name__}'s {layer}" in message
+    assert model.config._attn_implementation == kernel  # the probe leaves the model as it was
+
+
+def test_llama_passes_the_probe():
+    """The control: Llama's only token mixer is attention (rotary, norms, MLP are token-local)."""
+    from titan_ulysses.integrations.transformers.mixing import token_mixer
+
+    model = tiny(transformers.LlamaConfig(**BASE))
+    assert token_mixer(model) is None
+    # and the probe does find a mixer planted in it: a causal running mean over the MLP's output
+    mlp = model.model.layers[1].mlp
+    forward = mlp.forward
+    mlp.forward = lambda x: forward(x).cumsum(1)
+    assert token_mixer(model) == "model.layers.1.mlp (LlamaMLP)"
+
+
+def test_meta_weights_are_refused():
+    from titan_ulysses.integrations.transformers import apply_ulysses
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE))
+    one_line(apply_ulysses, model, None, match="weights on the meta device")
