@@ -72,3 +72,17 @@ def test_meta_weights_are_refused():
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE))
     one_line(apply_ulysses, model, None, match="weights on the meta device")
+
+
+def test_bad_arguments_are_one_line():
+    """Each was a traceback (issue 43 item 8): no mesh, a mask one column short, 1-D ids, labels one column short."""
+    from titan_ulysses.integrations.transformers import apply_ulysses, shard_batch, sp_loss
+
+    one_line(apply_ulysses, tiny(transformers.LlamaConfig(**BASE)), None, match="mesh is NoneType, not a DeviceMesh")
+    ids = torch.randint(3, 100, (2, 8))
+    one_line(shard_batch, {"input_ids": ids, "attention_mask": torch.ones(2, 7)}, None,
+             match=r"attention_mask has shape \(2, 7\), input_ids \(2, 8\)")
+    one_line(shard_batch, {"input_ids": ids, "attention_mask": torch.ones(1, 8)}, None,  # broadcast over the rows
+             match=r"attention_mask has shape \(1, 8\)")
+    one_line(shard_batch, {"input_ids": ids[0]}, None, match=r"input_ids has shape \(8,\); pass \[batch, seq\]")
+    one_line(sp_loss, torch.randn(2, 8, 100), ids[:, :7], None, match=r"logits \(2, 8, 100\) and labels \(2, 7\)")

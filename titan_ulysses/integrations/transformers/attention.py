@@ -58,6 +58,8 @@ def _refusal(model: nn.Module) -> str | None:
         if getattr(module, "is_causal", True) is False or getattr(module, "is_cross_attention", False):
             return (f"apply_ulysses: {name} has non-causal or cross-attention ({type(module).__name__}); "
                     f"Ulysses wraps causal decoder self-attention only")
+    if str(config._attn_implementation).startswith("titan_ulysses"):
+        return f"apply_ulysses: {name} is already under apply_ulysses ({config._attn_implementation})"
     if getattr(config, "num_attention_heads", None) is None:
         return f"apply_ulysses: {name}'s config has no num_attention_heads"
     if any(p.is_meta for p in model.parameters()):
@@ -164,43 +166,55 @@ class _UlyssesFunction:
 
 
 def _positions_hook(sp_mesh: DeviceMesh):
-    """A forward pre-hook: global ``position_ids`` for this rank's tokens, and the full sequence's for attention."""
+    """A forward pre-hook: global ``position_ids`` for this rank's tokens, and the full sequence's for attention.
+
+    No host read: the slice lengths are compared on the device (``_assert_async``), the full
+    positions stay on the device (one all-gather when the caller passes ``position_ids``, none
+    when it does not: they are then 0..S-1), and the forward's signature is read once per class.
+    """
     sp, rank, group = sp_mesh.size(), sp_mesh.get_local_rank(), sp_mesh.get_group()
+    signatures: dict[type, tuple[inspect.Signature, str]] = {}
 
     def hook(module, args, kwargs):
-        signature = inspect.signature(module.forward)
-        bound = signature.bind(*args, **kwargs)
+        cls = type(module)
+        if cls not in signatures:  # the class's forward: accelerate may wrap the instance's in (*args, **kwargs)
+            signature = inspect.signature(cls.forward)
+            var_kw = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
+            signatures[cls] = (signature, var_kw)
+        signature, var_kw = signatures[cls]
+        bound = signature.bind(module, *args, **kwargs)
         arguments = bound.arguments
-        var_kw = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
         extra = arguments.get(var_kw, {})  # the **kwargs transformers passes down to attention
         ids = arguments.get("input_ids")
         ids = ids if ids is not None else arguments["inputs_embeds"]
         b, s_local = ids.shape[:2]
         if arguments.get("cache") is not None or arguments.get("past_key_values") is not None:
-            raise ValueError(f"{type(module).__name__} under apply_ulysses: no cache (training forward only)")
+            raise ValueError(f"{cls.__name__} under apply_ulysses: no cache (training forward only)")
         mask = arguments.get("attention_mask")
-        if mask is not None:
-            if not bool(mask.all()):
-                raise ValueError(f"{type(module).__name__} under apply_ulysses: attention_mask with padding; "
-                                 f"shard_batch turns padding into ignored labels instead")
+        if mask is not None:  # only when the caller passes one: shard_batch returns none
+            if tuple(mask.shape) != (b, s_local) or not bool(mask.all()):
+                raise ValueError(f"{cls.__name__} under apply_ulysses: attention_mask of shape {tuple(mask.shape)} "
+                                 f"with padding or not [batch, S/sp]; shard_batch turns padding into ignored labels "
+                                 f"and returns no mask")
             arguments["attention_mask"] = None
         lengths = torch.empty(sp, dtype=torch.int64, device=ids.device)
         dist.all_gather_into_tensor(lengths, torch.tensor([s_local], device=ids.device), group=group)
-        if len(set(lengths.tolist())) > 1:
-            raise ValueError(f"the sp ranks hold {lengths.tolist()} tokens; every rank must hold S/sp "
-                             f"(shard_batch pads S to a multiple of sp)")
+        torch._assert_async((lengths == s_local).all(), "apply_ulysses: the sp ranks hold slices of different "
+                            "lengths; every rank must hold S/sp tokens (shard_batch pads S to a multiple of sp)")
         positions = arguments.get("position_ids")
-        if positions is None:  # global positions of this rank's tokens
-            positions = torch.arange(rank * s_local, (rank + 1) * s_local, device=ids.device)[None]
-        positions = positions.expand(b, s_local)  # [B, S/P]
-        gathered = positions.new_empty(sp * b, s_local)  # [P * B, S/P]: rank j's block j
-        dist.all_gather_into_tensor(gathered, positions.contiguous(), group=group)
-        full = gathered.view(sp, b, s_local).transpose(0, 1).reshape(b, sp * s_local)  # [B, S]
+        if positions is None:  # global positions of this rank's tokens; the full sequence's are 0..S-1
+            positions = torch.arange(rank * s_local, (rank + 1) * s_local, device=ids.device)[None].expand(b, s_local)
+            full = torch.arange(sp * s_local, device=ids.device)[None].expand(b, sp * s_local)  # [B, S]
+        else:
+            positions = positions.expand(b, s_local)  # [B, S/P]
+            gathered = positions.new_empty(sp * b, s_local)  # [P * B, S/P]: rank j's block j
+            dist.all_gather_into_tensor(gathered, positions.contiguous(), group=group)
+            full = gathered.view(sp, b, s_local).transpose(0, 1).reshape(b, sp * s_local)  # [B, S]
         arguments["position_ids"] = positions
         if "use_cache" in signature.parameters:
             arguments["use_cache"] = False
         arguments[var_kw] = {**extra, FULL_POSITIONS: full}
-        return bound.args, bound.kwargs
+        return bound.args[1:], bound.kwargs
 
     return hook
 
@@ -219,12 +233,13 @@ def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp") -> nn.
     from transformers import AttentionInterface
 
     sp_mesh = _sp_mesh(mesh, sp_dim)
+    if sp_mesh.size() == 1:
+        raise ValueError(f"apply_ulysses: the mesh's {sp_dim!r} dim has size 1, nothing to split; run the model "
+                         f"without apply_ulysses, or give {sp_dim!r} 2 or more ranks")
     config = model.config
     n_heads = config.num_attention_heads
     check_heads(n_heads, getattr(config, "num_key_value_heads", None) or n_heads, sp_mesh.size(), 1)
     kernel = config._attn_implementation
-    if kernel.startswith("titan_ulysses"):
-        raise ValueError(f"apply_ulysses: {type(model).__name__} is already under apply_ulysses ({kernel})")
     name = f"titan_ulysses_{kernel}_sp{sp_mesh.size()}_{sp_mesh.get_group().group_name}"
     AttentionInterface.register(name, _UlyssesFunction(sp_mesh, kernel))
     model.set_attn_implementation(name)

@@ -20,6 +20,9 @@ __all__ = ["fsdp_mesh", "shard_batch", "sp_loss"]
 
 
 def _sp_mesh(mesh: DeviceMesh, sp_dim: str) -> DeviceMesh:
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh is {type(mesh).__name__}, not a DeviceMesh: pass init_device_mesh(device, (dp, sp), "
+                         f"mesh_dim_names=('dp', {sp_dim!r}))")
     names = mesh.mesh_dim_names or ()
     if sp_dim not in names:
         raise ValueError(f"mesh has dims {list(names)}, no {sp_dim!r}: name the sequence-parallel dim with sp_dim=")
@@ -42,8 +45,15 @@ def shard_batch(batch: dict, mesh: DeviceMesh, sp_dim: str = "sp", pad_token_id:
     and ``shift_labels``: labels shifted on the full sequence, -100 on padding, so that
     position t predicts token t+1 even across the slice boundary. S is padded to a multiple of sp.
     """
-    sp_mesh = _sp_mesh(mesh, sp_dim)
     ids = batch["input_ids"]  # [B, S]
+    if ids.dim() != 2:
+        raise ValueError(f"shard_batch: input_ids has shape {tuple(ids.shape)}; pass [batch, seq] "
+                         f"(ids[None] for one row)")
+    for key in ("labels", "attention_mask", "position_ids"):
+        if batch.get(key) is not None and tuple(batch[key].shape) != tuple(ids.shape):
+            raise ValueError(f"shard_batch: {key} has shape {tuple(batch[key].shape)}, input_ids {tuple(ids.shape)}; "
+                             f"give every row its own {key} of the same length")
+    sp_mesh = _sp_mesh(mesh, sp_dim)
     labels = batch.get("labels")
     labels = ids if labels is None else labels
     shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # [B, S]: the label of token t is token t+1
@@ -64,7 +74,9 @@ def sp_loss(logits_or_loss: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh
     """The token-mean loss of the whole batch over every rank of ``mesh``, from this rank's share.
 
     ``logits_or_loss``: this rank's logits [B, S/P, V], or transformers' loss of them (the mean
-    over this rank's tokens, from ``shift_labels``; every rank must then hold a loss token).
+    over this rank's tokens, from ``shift_labels``; a rank without loss tokens, whose mean is
+    NaN, adds nothing). A batch without any loss token on the whole mesh gives loss 0 and zero
+    gradients, not NaN.
     ``labels``: this rank's ``shift_labels``. As ``forward_backward``: this rank's summed token
     losses over the token count of the whole mesh (one all-reduce of the sum and the count). The
     value returned is that global mean on every rank; its gradient is the rank's share times
@@ -72,15 +84,18 @@ def sp_loss(logits_or_loss: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh
     process's gradient.
     """
     count = (labels != IGNORE_INDEX).sum()
-    if logits_or_loss.dim() == 0:
-        local = logits_or_loss.float() * count
+    if logits_or_loss.dim() == 0:  # a rank without loss tokens holds transformers' NaN (0/0): it adds nothing
+        local = torch.where(count > 0, logits_or_loss.float(), 0.0) * count
     else:
+        if tuple(logits_or_loss.shape[:2]) != tuple(labels.shape):
+            raise ValueError(f"sp_loss: logits {tuple(logits_or_loss.shape)} and labels {tuple(labels.shape)} differ "
+                             f"in [batch, seq]; pass shard_batch's shift_labels for these logits")
         local = F.cross_entropy(logits_or_loss.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                 reduction="sum")
     totals = torch.stack([local.detach(), count.to(local.dtype)])
     for dim in range(mesh.ndim):  # summed over every rank of the mesh
         if mesh.size(dim) > 1:
             dist.all_reduce(totals, group=mesh.get_group(dim))
-    total, n_tokens = totals[0], totals[1]
+    total, n_tokens = totals[0], totals[1].clamp(min=1)  # no loss token anywhere: loss 0, gradients 0
     share = local * mesh.size() / n_tokens
     return share + (total / n_tokens - share.detach())
