@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_ulysses.data.sharding import shard_batch as _shard
 from titan_ulysses.ops.loss import IGNORE_INDEX
 
-__all__ = ["fsdp_mesh", "shard_batch", "sp_loss"]
+__all__ = ["fsdp_mesh", "shard_batch", "shifted_labels", "sp_loss"]
 
 
 def _sp_mesh(mesh: DeviceMesh, sp_dim: str) -> DeviceMesh:
@@ -54,6 +54,19 @@ def shard_batch(batch: dict, mesh: DeviceMesh, sp_dim: str = "sp", pad_token_id:
             raise ValueError(f"shard_batch: {key} has shape {tuple(batch[key].shape)}, input_ids {tuple(ids.shape)}; "
                              f"give every row its own {key} of the same length")
     sp_mesh = _sp_mesh(mesh, sp_dim)
+    shifted = shifted_labels(batch)
+    part = _shard(ids, shifted, sp_mesh.get_local_rank(), sp_mesh.size(), positions=batch.get("position_ids"),
+                  pad_token=pad_token_id)
+    return {"input_ids": part.tokens.contiguous(), "position_ids": part.positions.contiguous(),
+            "shift_labels": part.labels.contiguous()}  # [B, S_pad/sp] each; transformers' loss views them flat
+
+
+def shifted_labels(batch: dict) -> torch.Tensor:
+    """The full rows' labels shifted by one [B, S] (token t's label is token t+1), -100 on right padding.
+
+    ``labels`` default to ``input_ids``; a padded ``attention_mask`` must pad on the right.
+    """
+    ids = batch["input_ids"]  # [B, S]
     labels = batch.get("labels")
     labels = ids if labels is None else labels
     shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # [B, S]: the label of token t is token t+1
@@ -64,10 +77,7 @@ def shard_batch(batch: dict, mesh: DeviceMesh, sp_dim: str = "sp", pad_token_id:
             raise ValueError("shard_batch: attention_mask has padding before real tokens; pad on the right "
                              "(tokenizer.padding_side = 'right') or pack documents with position_ids")
         shifted = shifted.masked_fill(~F.pad(mask[:, 1:], (0, 1), value=False), IGNORE_INDEX)
-    part = _shard(ids, shifted, sp_mesh.get_local_rank(), sp_mesh.size(), positions=batch.get("position_ids"),
-                  pad_token=pad_token_id)
-    return {"input_ids": part.tokens.contiguous(), "position_ids": part.positions.contiguous(),
-            "shift_labels": part.labels.contiguous()}  # [B, S_pad/sp] each; transformers' loss views them flat
+    return shifted
 
 
 def sp_loss(logits_or_loss: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

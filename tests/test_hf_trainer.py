@@ -1,0 +1,138 @@
+"""integrations/transformers/trainer.py: transformers' Trainer and TRL's SFTTrainer at sp=2 equal one process.
+
+One process runs each trainer as its docs write it (the reference, in the test's own process);
+then 2 gloo ranks run the same script with ``ulysses_trainer(trainer, sp=2)`` added. With
+gradient accumulation 2 over right-padded rows of uneven lengths (so per-rank or
+per-micro-batch means would differ), the logged loss and gradient norm of every step and
+the final weights equal the one-process run's. The optimizer is SGD: Adam's update divides by
+the gradient's own size, which hides a wrong loss scale and turns fp32 noise on near-zero
+gradients into whole steps. SFTTrainer: prompt-completion rows with completion-only loss,
+and packing (padding-free rows, positions restarting at each document).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dist_utils import assert_close, run_distributed
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+
+
+def tiny_llama(vocab: int = 128):
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, vocab_size=vocab, pad_token_id=0,
+                                      max_position_embeddings=128, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def token_rows(n: int = 24, vocab: int = 128) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (int(torch.randint(6, 21, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def collate(examples: list[dict]) -> dict:
+    """Right padding: pad id 0, label -100, attention_mask 0."""
+    width = max(len(e["input_ids"]) for e in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, e in enumerate(examples):
+        ids[i, :len(e["input_ids"])] = torch.tensor(e["input_ids"])
+        mask[i, :len(e["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def common_args(out: str, batch: int) -> dict:
+    return dict(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=2, max_steps=STEPS,
+                learning_rate=0.5, optim="sgd", logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
+                dataloader_drop_last=True, disable_tqdm=True)
+
+
+def build_trainer(kind: str, out: str, batch: int, tokenizer_folder: str | None = None):
+    import datasets
+
+    if kind == "trainer":
+        args = transformers.TrainingArguments(**common_args(out, batch), remove_unused_columns=False)
+        dataset = datasets.Dataset.from_dict({"input_ids": token_rows()})
+        return transformers.Trainer(model=tiny_llama(), args=args, train_dataset=dataset, data_collator=collate,
+                                    eval_dataset=datasets.Dataset.from_dict({"input_ids": token_rows(8)}))
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_folder)
+    tokenizer.pad_token = "<|pad|>"
+    words = "the pass key is 12345 remember it what def return tabs spaces and digits".split()
+    g = torch.Generator().manual_seed(5)
+
+    def text(n):
+        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g))
+
+    rows = {"prompt": [text(int(torch.randint(2, 6, (1,), generator=g))) for _ in range(24)],
+            "completion": [" " + text(int(torch.randint(2, 6, (1,), generator=g))) for _ in range(24)]}
+    packing = kind == "sft_packed"
+    args = SFTConfig(**common_args(out, batch), completion_only_loss=True, packing=packing, max_length=64,
+                     padding_free=packing, dataset_num_proc=None,
+                     bf16=False)  # SFTConfig's default bf16 autocasts on CPU too: fp32 to compare exactly
+    return SFTTrainer(model=tiny_llama(len(tokenizer)), args=args, train_dataset=datasets.Dataset.from_dict(rows),
+                      processing_class=tokenizer)
+
+
+def result(trainer) -> dict:
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {"losses": torch.tensor(losses), "grad_norms": torch.tensor(norms), "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def one_process(kind: str, tmp, tokenizer_folder, dp: int = 1) -> dict:
+    trainer = build_trainer(kind, str(tmp / f"one_{kind}"), 2 * dp, tokenizer_folder)
+    trainer.train()
+    out = result(trainer)
+    if kind == "trainer":
+        out["eval"] = torch.tensor(trainer.evaluate()["eval_loss"])
+    return out
+
+
+def _sp_run(kinds: list[str], tmp: str, tokenizer_folder: str, refs: dict) -> None:
+    import torch.distributed as dist
+
+    from titan_ulysses.integrations.transformers import ulysses_trainer
+
+    rank = dist.get_rank()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(dist.get_world_size()),
+                      LOCAL_WORLD_SIZE=str(dist.get_world_size()), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    for kind in kinds:
+        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, tokenizer_folder), sp=2)
+        trainer.train()
+        got, ref = result(trainer), refs[kind]
+        assert len(got["losses"]) == STEPS
+        assert_close(got["losses"], ref["losses"], f"{kind} losses")
+        assert_close(got["grad_norms"], ref["grad_norms"], f"{kind} grad norms")
+        for n, w in ref["weights"].items():
+            assert_close(got["weights"][n], w, f"{kind} weight {n}", rtol=1e-5, atol=1e-5)
+        if kind == "trainer":
+            assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), ref["eval"], "eval loss")
+            trainer.save_model(f"{tmp}/saved")
+            if rank == 0:
+                saved = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp}/saved")
+                assert saved.config._attn_implementation == "sdpa"
+                for n, p in saved.named_parameters():
+                    assert_close(p, ref["weights"][n], f"saved {n}")
+            dist.barrier()
+
+
+def test_trainer_and_sft_at_sp2_equal_one_process(tmp_path):
+    from hf_fixtures import make_tokenizer
+
+    folder = str(tmp_path / "tokenizer")
+    make_tokenizer(folder)
+    kinds = ["trainer", "sft", "sft_packed"]
+    refs = {kind: one_process(kind, tmp_path, folder) for kind in kinds}
+    run_distributed(_sp_run, 2, kinds, str(tmp_path), folder, refs)
