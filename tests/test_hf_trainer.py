@@ -7,7 +7,9 @@ per-micro-batch means would differ), the logged loss and gradient norm of every 
 the final weights equal the one-process run's. The optimizer is SGD: Adam's update divides by
 the gradient's own size, which hides a wrong loss scale and turns fp32 noise on near-zero
 gradients into whole steps. SFTTrainer: prompt-completion rows with completion-only loss,
-and packing (padding-free rows, positions restarting at each document).
+and packing (padding-free rows, positions restarting at each document). DPOTrainer: the
+sequence log-probabilities summed across the sp ranks; a planted per-rank partial sum
+moves the loss away from one process's.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def build_trainer(kind: str, out: str, batch: int, tokenizer_folder: str | None 
         dataset = datasets.Dataset.from_dict({"input_ids": token_rows()})
         return transformers.Trainer(model=tiny_llama(), args=args, train_dataset=dataset, data_collator=collate,
                                     eval_dataset=datasets.Dataset.from_dict({"input_ids": token_rows(8)}))
-    from trl import SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_folder)
     tokenizer.pad_token = "<|pad|>"
@@ -73,6 +75,14 @@ def build_trainer(kind: str, out: str, batch: int, tokenizer_folder: str | None 
 
     def text(n):
         return " ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g))
+
+    if kind == "dpo":  # pairs whose completions differ in length: a sequence's sum spans both sp ranks
+        rows = {"prompt": [text(int(torch.randint(3, 8, (1,), generator=g))) for _ in range(24)],
+                "chosen": [" " + text(int(torch.randint(2, 9, (1,), generator=g))) for _ in range(24)],
+                "rejected": [" " + text(int(torch.randint(2, 9, (1,), generator=g))) for _ in range(24)]}
+        args = DPOConfig(**common_args(out, batch), max_length=64, bf16=False, beta=0.5)
+        return DPOTrainer(model=tiny_llama(len(tokenizer)), ref_model=tiny_llama(len(tokenizer)), args=args,
+                          train_dataset=datasets.Dataset.from_dict(rows), processing_class=tokenizer)
 
     rows = {"prompt": [text(int(torch.randint(2, 6, (1,), generator=g))) for _ in range(24)],
             "completion": [" " + text(int(torch.randint(2, 6, (1,), generator=g))) for _ in range(24)]}
@@ -117,6 +127,18 @@ def _sp_run(kinds: list[str], tmp: str, tokenizer_folder: str, refs: dict) -> No
         assert_close(got["grad_norms"], ref["grad_norms"], f"{kind} grad norms")
         for n, w in ref["weights"].items():
             assert_close(got["weights"][n], w, f"{kind} weight {n}", rtol=1e-5, atol=1e-5)
+        if kind == "dpo":  # the classic bug planted: each rank's partial sum of a sequence's log-probabilities
+            from titan_ulysses.integrations.transformers import dpo
+
+            gather = dpo._gather_sequence
+            dpo._gather_sequence = lambda x, group: torch.cat(
+                [x if r == dist.get_rank() else torch.zeros_like(x) for r in range(dist.get_world_size())], dim=1)
+            planted = ulysses_trainer(build_trainer(kind, f"{tmp}/planted", 2, tokenizer_folder), sp=2)
+            planted.args.max_steps = 1
+            planted.train()
+            dpo._gather_sequence = gather
+            bad = result(planted)["grad_norms"]  # the first loss is log 2 either way: policy = reference
+            assert (bad[0] - ref["grad_norms"][0]).abs() > 1e-2 * ref["grad_norms"][0], (bad, ref["grad_norms"])
         if kind == "trainer":
             assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), ref["eval"], "eval loss")
             trainer.save_model(f"{tmp}/saved")
@@ -128,11 +150,11 @@ def _sp_run(kinds: list[str], tmp: str, tokenizer_folder: str, refs: dict) -> No
             dist.barrier()
 
 
-def test_trainer_and_sft_at_sp2_equal_one_process(tmp_path):
+def test_trainer_sft_and_dpo_at_sp2_equal_one_process(tmp_path):
     from hf_fixtures import make_tokenizer
 
     folder = str(tmp_path / "tokenizer")
     make_tokenizer(folder)
-    kinds = ["trainer", "sft", "sft_packed"]
+    kinds = ["trainer", "sft", "sft_packed", "dpo"]
     refs = {kind: one_process(kind, tmp_path, folder) for kind in kinds}
     run_distributed(_sp_run, 2, kinds, str(tmp_path), folder, refs)

@@ -14,7 +14,7 @@ What it changes, and nothing else (no second trainer, exchange or loss):
   slice, every gradient-accumulation micro-batch: ``num_items_in_batch``, counted on the full
   rows and summed over dp), never by a per-rank or per-micro-batch count;
 - DPO: each row's log-probability is summed over the whole sequence across the sp ranks
-  (a differentiable all-reduce) before the DPO loss (``dpo.py``).
+  (a differentiable all-gather of the per-token scores) before the DPO loss (``dpo.py``).
 Logging and evaluation then see one process's values; ``save_model`` writes the model with
 the kernel it was loaded with. Trainers the path cannot serve exactly (GRPO and the other
 generation or reward trainers, ``compute_metrics``, iterable datasets) are refused in one line.
@@ -145,7 +145,8 @@ def ulysses_trainer(trainer, sp: int):
     kernel = model.config._attn_implementation
     apply_ulysses(model, mesh)
     bases = [UlyssesTrainerMixin, type(trainer)]
-    if any(c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__):
+    dpo = any(c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
+    if dpo:
         from .dpo import UlyssesDPOMixin
 
         bases.insert(0, UlyssesDPOMixin)
@@ -155,5 +156,6 @@ def ulysses_trainer(trainer, sp: int):
     trainer.__class__ = type(f"Ulysses{type(trainer).__name__}", tuple(bases), {})
     trainer.ulysses_mesh = mesh
     trainer.ulysses_kernel = kernel
-    trainer.loss_is_scaled_for_ga = True  # compute_loss divides by the whole step's token count
+    # compute_loss divides by the whole step's token count; DPO's is a per-micro-batch mean of pairs
+    trainer.loss_is_scaled_for_ga = None if dpo else True
     return trainer
