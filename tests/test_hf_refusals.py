@@ -86,3 +86,20 @@ def test_bad_arguments_are_one_line():
              match=r"attention_mask has shape \(1, 8\)")
     one_line(shard_batch, {"input_ids": ids[0]}, None, match=r"input_ids has shape \(8,\); pass \[batch, seq\]")
     one_line(sp_loss, torch.randn(2, 8, 100), ids[:, :7], None, match=r"logits \(2, 8, 100\) and labels \(2, 7\)")
+
+
+def test_unsupported_trl_trainers_are_refused():
+    """GRPO (generation and rewards) and the other TRL trainers cannot be split exactly: one line naming the class."""
+    from types import SimpleNamespace
+
+    trl = pytest.importorskip("trl")
+    from titan_ulysses.integrations.transformers import ulysses_trainer
+
+    for cls in (trl.GRPOTrainer, trl.RLOOTrainer, trl.KTOTrainer):
+        trainer = cls.__new__(cls)  # the check reads the class and args only: no model, no process group
+        trainer.args = SimpleNamespace()
+        one_line(ulysses_trainer, trainer, 2, match=f"{cls.__name__} is not supported")
+    sub = type("MyGRPO", (trl.GRPOTrainer,), {})  # a user's subclass is refused by what it derives from
+    trainer = sub.__new__(sub)
+    trainer.args = SimpleNamespace()
+    one_line(ulysses_trainer, trainer, 2, match="GRPOTrainer is not supported")

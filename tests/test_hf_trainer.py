@@ -1,6 +1,8 @@
 """integrations/transformers/trainer.py: transformers' Trainer and TRL's SFTTrainer at sp=2 equal one process.
 
-One process runs each trainer as its docs write it (the reference, in the test's own process);
+Models: Granite (a family train.py does not have: multipliers on embeddings, residuals,
+attention and logits) under Trainer, the real SmolLM2-135M (first 2 layers, its tokenizer)
+under SFTTrainer, tiny Llamas for packing and DPO. One process runs each trainer as its docs write it (the reference, in the test's own process);
 then 2 gloo ranks run the same script with ``ulysses_trainer(trainer, sp=2)`` added. With
 gradient accumulation 2 over right-padded rows of uneven lengths (so per-rank or
 per-micro-batch means would differ), the logged loss and gradient norm of every step and
@@ -25,6 +27,16 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 STEPS = 3
+
+
+def tiny_granite():
+    """Granite, a family train.py does not have: embedding, residual, attention and logit multipliers."""
+    config = transformers.GraniteConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=128, pad_token_id=0,
+                                        max_position_embeddings=128, embedding_multiplier=4.0, residual_multiplier=0.5,
+                                        attention_multiplier=0.2, logits_scaling=2.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def tiny_llama(vocab: int = 128):
@@ -58,18 +70,20 @@ def common_args(out: str, batch: int) -> dict:
                 dataloader_drop_last=True, disable_tqdm=True)
 
 
-def build_trainer(kind: str, out: str, batch: int, tokenizer_folder: str | None = None):
+def build_trainer(kind: str, out: str, batch: int, tokenizer_folder: str, smollm2_folder: str):
     import datasets
 
     if kind == "trainer":
         args = transformers.TrainingArguments(**common_args(out, batch), remove_unused_columns=False)
         dataset = datasets.Dataset.from_dict({"input_ids": token_rows()})
-        return transformers.Trainer(model=tiny_llama(), args=args, train_dataset=dataset, data_collator=collate,
+        return transformers.Trainer(model=tiny_granite(), args=args, train_dataset=dataset, data_collator=collate,
                                     eval_dataset=datasets.Dataset.from_dict({"input_ids": token_rows(8)}))
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_folder)
-    tokenizer.pad_token = "<|pad|>"
+    smollm2 = kind == "sft"  # the real SmolLM2-135M, its first 2 of 30 layers, and its tokenizer
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_folder if smollm2 else tokenizer_folder)
+    if not smollm2:
+        tokenizer.pad_token = "<|pad|>"
     words = "the pass key is 12345 remember it what def return tabs spaces and digits".split()
     g = torch.Generator().manual_seed(5)
 
@@ -90,7 +104,9 @@ def build_trainer(kind: str, out: str, batch: int, tokenizer_folder: str | None 
     args = SFTConfig(**common_args(out, batch), completion_only_loss=True, packing=packing, max_length=64,
                      padding_free=packing, dataset_num_proc=None,
                      bf16=False)  # SFTConfig's default bf16 autocasts on CPU too: fp32 to compare exactly
-    return SFTTrainer(model=tiny_llama(len(tokenizer)), args=args, train_dataset=datasets.Dataset.from_dict(rows),
+    model = (transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32, num_hidden_layers=2)
+             if smollm2 else tiny_llama(len(tokenizer)))
+    return SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict(rows),
                       processing_class=tokenizer)
 
 
@@ -101,8 +117,8 @@ def result(trainer) -> dict:
     return {"losses": torch.tensor(losses), "grad_norms": torch.tensor(norms), "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def one_process(kind: str, tmp, tokenizer_folder, dp: int = 1) -> dict:
-    trainer = build_trainer(kind, str(tmp / f"one_{kind}"), 2 * dp, tokenizer_folder)
+def one_process(kind: str, tmp, folders, dp: int = 1) -> dict:
+    trainer = build_trainer(kind, str(tmp / f"one_{kind}"), 2 * dp, *folders)
     trainer.train()
     out = result(trainer)
     if kind == "trainer":
@@ -110,7 +126,7 @@ def one_process(kind: str, tmp, tokenizer_folder, dp: int = 1) -> dict:
     return out
 
 
-def _sp_run(kinds: list[str], tmp: str, tokenizer_folder: str, refs: dict) -> None:
+def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict) -> None:
     import torch.distributed as dist
 
     from titan_ulysses.integrations.transformers import ulysses_trainer
@@ -119,7 +135,7 @@ def _sp_run(kinds: list[str], tmp: str, tokenizer_folder: str, refs: dict) -> No
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(dist.get_world_size()),
                       LOCAL_WORLD_SIZE=str(dist.get_world_size()), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     for kind in kinds:
-        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, tokenizer_folder), sp=2)
+        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders), sp=2)
         trainer.train()
         got, ref = result(trainer), refs[kind]
         assert len(got["losses"]) == STEPS
@@ -133,7 +149,7 @@ def _sp_run(kinds: list[str], tmp: str, tokenizer_folder: str, refs: dict) -> No
             gather = dpo._gather_sequence
             dpo._gather_sequence = lambda x, group: torch.cat(
                 [x if r == dist.get_rank() else torch.zeros_like(x) for r in range(dist.get_world_size())], dim=1)
-            planted = ulysses_trainer(build_trainer(kind, f"{tmp}/planted", 2, tokenizer_folder), sp=2)
+            planted = ulysses_trainer(build_trainer(kind, f"{tmp}/planted", 2, *folders), sp=2)
             planted.args.max_steps = 1
             planted.train()
             dpo._gather_sequence = gather
@@ -150,11 +166,11 @@ def _sp_run(kinds: list[str], tmp: str, tokenizer_folder: str, refs: dict) -> No
             dist.barrier()
 
 
-def test_trainer_sft_and_dpo_at_sp2_equal_one_process(tmp_path):
+def test_trainer_sft_and_dpo_at_sp2_equal_one_process(tmp_path, smollm2_hf_folder):
     from hf_fixtures import make_tokenizer
 
-    folder = str(tmp_path / "tokenizer")
-    make_tokenizer(folder)
+    folders = (str(tmp_path / "tokenizer"), smollm2_hf_folder)
+    make_tokenizer(folders[0])
     kinds = ["trainer", "sft", "sft_packed", "dpo"]
-    refs = {kind: one_process(kind, tmp_path, folder) for kind in kinds}
-    run_distributed(_sp_run, 2, kinds, str(tmp_path), folder, refs)
+    refs = {kind: one_process(kind, tmp_path, folders) for kind in kinds}
+    run_distributed(_sp_run, 2, kinds, str(tmp_path), folders, refs)
