@@ -174,3 +174,22 @@ def test_trainer_sft_and_dpo_at_sp2_equal_one_process(tmp_path, smollm2_hf_folde
     kinds = ["trainer", "sft", "sft_packed", "dpo"]
     refs = {kind: one_process(kind, tmp_path, folders) for kind in kinds}
     run_distributed(_sp_run, 2, kinds, str(tmp_path), folders, refs)
+
+
+def test_the_trl_example_trains_and_saves(tmp_path, smollm2_hf_folder):
+    """examples/trl_sft.py under torchrun at sp=2 on SmolLM2-135M's first 2 layers: it trains and saves a folder
+    that transformers reloads with the model's own kernel and the trained weights' loss."""
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "examples/trl_sft.py", "--model", smollm2_hf_folder, "--layers", "2", "--steps", "4",
+                          "--output", str(tmp_path / "trl_sft")], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": root}, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) in 4 steps at sp=2", out.stdout).groups())
+    assert last < first, out.stdout
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "trl_sft")
+    assert saved.config._attn_implementation == "sdpa" and saved.config.num_hidden_layers == 2
