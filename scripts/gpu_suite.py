@@ -169,6 +169,7 @@ def short_parts() -> dict[str, list[Case]]:
                  cell_steps(True, "bf16", "full", ["--parallelism.ulysses_head_stages", "4"]), 65, 10),
             known["attn_flex_cp4_docs_window_softcap"], known["attn_flash_attn_cp4_docs_window"],
             known["hf_llama_ulysses_bf16"],  # issue 37: a transformers model under apply_ulysses, bf16
+            known["hf_sft_ulysses_bf16"],  # issue 45: TRL's SFTTrainer under ulysses_trainer, bf16
             Case("8b_128k_sim8_eager_bf16_full", cell_steps(False, "bf16", "full"), 45, 10),
             Case("8b_128k_sim8_eager_bf16_full_offload", cell_steps(False, "bf16", "full_offload"), 45, 10)]
     return {"first": first, "second": second, "rest": rest}

@@ -23,7 +23,7 @@ DRY = {
                     "attn_flash_attn_pkg", "attn_sdpa_lower_right_cp", "attn_sdpa_docs_window_softcap",
                     "attn_flex_docs_window_softcap", "attn_flash_attn_docs_window_softcap", "attn_sdpa_cp4_docs_window",
                     "attn_flex_cp4_docs_window_softcap", "attn_sdpa_priority_auto", "multiprocess_one_gpu",
-                    "hf_llama_ulysses_bf16",
+                    "hf_llama_ulysses_bf16", "hf_sft_ulysses_bf16",
                     "full_offload_equals_full", "compile_one_step", "float8_rowwise", "trainer_1b_sp1"],
     "bench": ["bench_attention", "bench_packed_128k"],
     "limits": ["estimate_validate_8b_32k", "longest_1b_one_gpu"],

@@ -70,7 +70,8 @@ def common_args(out: str, batch: int) -> dict:
                 dataloader_drop_last=True, disable_tqdm=True)
 
 
-def build_trainer(kind: str, out: str, batch: int, tokenizer_folder: str, smollm2_folder: str):
+def build_trainer(kind: str, out: str, batch: int, tokenizer_folder: str, smollm2_folder: str | None, **overrides):
+    """``overrides``: TrainingArguments fields over common_args' (the GPU suite's bf16 on CUDA)."""
     import datasets
 
     if kind == "trainer":
@@ -94,16 +95,16 @@ def build_trainer(kind: str, out: str, batch: int, tokenizer_folder: str, smollm
         rows = {"prompt": [text(int(torch.randint(3, 8, (1,), generator=g))) for _ in range(24)],
                 "chosen": [" " + text(int(torch.randint(2, 9, (1,), generator=g))) for _ in range(24)],
                 "rejected": [" " + text(int(torch.randint(2, 9, (1,), generator=g))) for _ in range(24)]}
-        args = DPOConfig(**common_args(out, batch), max_length=64, bf16=False, beta=0.5)
+        args = DPOConfig(**{**common_args(out, batch), "bf16": False, **overrides}, max_length=64, beta=0.5)
         return DPOTrainer(model=tiny_llama(len(tokenizer)), ref_model=tiny_llama(len(tokenizer)), args=args,
                           train_dataset=datasets.Dataset.from_dict(rows), processing_class=tokenizer)
 
     rows = {"prompt": [text(int(torch.randint(2, 6, (1,), generator=g))) for _ in range(24)],
             "completion": [" " + text(int(torch.randint(2, 6, (1,), generator=g))) for _ in range(24)]}
     packing = kind == "sft_packed"
-    args = SFTConfig(**common_args(out, batch), completion_only_loss=True, packing=packing, max_length=64,
-                     padding_free=packing, dataset_num_proc=None,
-                     bf16=False)  # SFTConfig's default bf16 autocasts on CPU too: fp32 to compare exactly
+    # SFTConfig's default bf16 autocasts on CPU too: fp32 to compare exactly
+    args = SFTConfig(**{**common_args(out, batch), "bf16": False, **overrides}, completion_only_loss=True,
+                     packing=packing, max_length=64, padding_free=packing, dataset_num_proc=None)
     model = (transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32, num_hidden_layers=2)
              if smollm2 else tiny_llama(len(tokenizer)))
     return SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict(rows),

@@ -17,6 +17,7 @@ from benchmarks.gpu_common import Case, Skip, exact_fp32, rel_err
 from titan_ulysses.ops.attention import build_attention, build_attention_mask
 
 from .attention import CASES as ATTENTION_CASES
+from .hf_trainer import hf_sft_ulysses_bf16
 from .hf_ulysses import hf_llama_ulysses_bf16
 from .multirank import multiprocess_one_gpu
 from .trainer_runs import checkpoint_async_pinned_resume, compile_memory_switches, float8_case, trainer_1b
@@ -306,6 +307,7 @@ CASES = [
     *ATTENTION_CASES,
     Case("multiprocess_one_gpu", multiprocess_one_gpu, 90, 30),
     Case("hf_llama_ulysses_bf16", hf_llama_ulysses_bf16, 30, 5),
+    Case("hf_sft_ulysses_bf16", hf_sft_ulysses_bf16, 90, 60),
     Case("full_offload_equals_full", full_offload_equals_full, 15, 5),
     Case("checkpoint_async_pinned_resume", checkpoint_async_pinned_resume, 60, 30),
     Case("float8_tensorwise", float8_case("tensorwise"), 80, 30),
