@@ -253,6 +253,13 @@ def _edge_cases() -> None:
     batch["attention_mask"][1, 17:] = 0
     batch["input_ids"][1, 17:] = 0
     check_model(ref, model, batch, mesh, what="right padding sp=2")
+    # the tiled MLP option (4 tokens a tile, 13 per rank: a short last tile): exact, and tiled in forward
+    ref.zero_grad()
+    tiled = apply_ulysses(copy.deepcopy(ref), mesh, mlp_tile_size=4)
+    calls = []
+    tiled.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[1]))
+    check_model(ref, tiled, batch, mesh, what="tiled MLP sp=2")
+    assert calls[:4] == [4, 4, 4, 1], calls
 
     local = shard_batch(batch, mesh)
     for mask, why in ((torch.ones_like(local["input_ids"]).index_fill_(1, torch.tensor([3]), 0), "padding"),

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_ulysses.distributed.ulysses import UlyssesAttention, check_heads
 
 from .batch import _sp_mesh
+from .memory import dense_mlps, tile_mlps
 from .mixing import token_mixer
 
 __all__ = ["apply_ulysses"]
@@ -219,13 +220,16 @@ def _positions_hook(sp_mesh: DeviceMesh):
     return hook
 
 
-def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp") -> nn.Module:
+def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_tile_size: int = 0) -> nn.Module:
     """Switch ``model`` (a transformers decoder) to Ulysses over the ``sp_dim`` dim of ``mesh``.
 
     Registers a function in transformers' ``AttentionInterface`` wrapping the model's current
     kernel (``config._attn_implementation``), sets the model to it and adds a forward pre-hook
     for the positions. Call it before ``fully_shard``, activation checkpointing and compile;
     feed the model :func:`shard_batch`'s slices. Returns ``model``.
+
+    ``mlp_tile_size`` > 0 runs every dense MLP that many tokens at a time with recompute
+    (``memory.tile_mlps``): off by default, exact against the untiled model.
     """
     reason = _refusal(model)
     if reason:
@@ -233,6 +237,9 @@ def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp") -> nn.
     from transformers import AttentionInterface
 
     sp_mesh = _sp_mesh(mesh, sp_dim)
+    if mlp_tile_size > 0 and not dense_mlps(model):
+        raise ValueError(f"apply_ulysses: mlp_tile_size={mlp_tile_size} but {type(model).__name__} has no dense "
+                         f"`mlp` module (class name ending in MLP) to tile; leave mlp_tile_size at 0")
     if sp_mesh.size() == 1:
         raise ValueError(f"apply_ulysses: the mesh's {sp_dim!r} dim has size 1, nothing to split; run the model "
                          f"without apply_ulysses, or give {sp_dim!r} 2 or more ranks")
@@ -244,4 +251,5 @@ def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp") -> nn.
     AttentionInterface.register(name, _UlyssesFunction(sp_mesh, kernel))
     model.set_attn_implementation(name)
     model.register_forward_pre_hook(_positions_hook(sp_mesh), with_kwargs=True)
+    tile_mlps(model, mlp_tile_size)
     return model
