@@ -156,6 +156,16 @@ def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict) -> None:
             dpo._gather_sequence = gather
             bad = result(planted)["grad_norms"]  # the first loss is log 2 either way: policy = reference
             assert (bad[0] - ref["grad_norms"][0]).abs() > 1e-2 * ref["grad_norms"][0], (bad, ref["grad_norms"])
+        if kind == "trainer":  # Granite's logits_scaling through the fused loss (chunks of 8 tokens) and tiled MLPs
+            fused = ulysses_trainer(build_trainer(kind, f"{tmp}/fused", 2, *folders), sp=2, loss_chunk_size=8,
+                                    mlp_tile_size=4)
+            fused.train()
+            mem = result(fused)
+            assert_close(mem["losses"], ref["losses"], "fused loss, tiled MLP: losses")
+            assert_close(mem["grad_norms"], ref["grad_norms"], "fused loss, tiled MLP: grad norms")
+            for n, w in ref["weights"].items():
+                assert_close(mem["weights"][n], w, f"fused loss, tiled MLP: weight {n}", rtol=1e-5, atol=1e-5)
+            assert_close(torch.tensor(fused.evaluate()["eval_loss"]), ref["eval"], "fused loss: eval loss")
         if kind == "trainer":
             assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), ref["eval"], "eval loss")
             trainer.save_model(f"{tmp}/saved")

@@ -31,6 +31,7 @@ from titan_ulysses.ops.loss import IGNORE_INDEX
 
 from .attention import apply_ulysses
 from .batch import shard_batch, shifted_labels, sp_loss
+from .memory import _head_transform, fused_head_refusal, fused_loss_sum, softcap_supported
 
 __all__ = ["ulysses_trainer"]
 
@@ -101,22 +102,34 @@ class UlyssesTrainerMixin:
         return count
 
     def _ulysses_forward(self, model, inputs: dict):
-        """(outputs, shift_labels) of this rank's slice of ``inputs``' full rows."""
+        """(outputs, this rank's summed token loss, shift_labels) of this rank's slice of ``inputs``' full rows."""
         unknown = sorted(k for k, v in inputs.items() if k not in _BATCH_KEYS and v is not None)
         if unknown:
             raise ValueError(f"ulysses_trainer: the batch holds {unknown}, which this path does not split over sp; "
                              f"drop them from the collator's output")
         local = shard_batch(inputs, self.ulysses_mesh)
-        outputs = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
-        return outputs, local["shift_labels"]
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs, labels = self._ulysses_forward(model, inputs)
-        if num_items_in_batch is None:  # evaluation: this batch's token mean, the same on every sp rank
-            loss = sp_loss(outputs.logits, labels, self.ulysses_mesh["sp"])
-        else:  # training: this rank's share of the step's token mean; DDP / FSDP average over every rank
+        ids, labels = local["input_ids"], local["shift_labels"]  # [B, S/sp]
+        if not self.ulysses_loss_chunk:
+            outputs = model(input_ids=ids, position_ids=local["position_ids"], use_cache=False)
             summed = F.cross_entropy(outputs.logits.flatten(0, 1).float(), labels.flatten(),
                                      ignore_index=IGNORE_INDEX, reduction="sum")
+            return outputs, summed, labels
+        unwrapped = self.accelerator.unwrap_model(model)  # the fused loss: no [B, S/sp, V] logits at once
+        seen = {}
+        hook = unwrapped.base_model.register_forward_hook(lambda m, a, out: seen.__setitem__("h", out.last_hidden_state))
+        try:
+            outputs = model(input_ids=ids, position_ids=local["position_ids"], use_cache=False,
+                            logits_to_keep=torch.empty(0, dtype=torch.long, device=ids.device))  # no position's logits
+        finally:
+            hook.remove()
+        return outputs, fused_loss_sum(unwrapped, seen["h"], labels, self.ulysses_loss_chunk), labels
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs, summed, labels = self._ulysses_forward(model, inputs)
+        if num_items_in_batch is None:  # evaluation: this batch's token mean, the same on every sp rank
+            count = (labels != IGNORE_INDEX).sum()
+            loss = sp_loss(summed / count.clamp(min=1), labels, self.ulysses_mesh["sp"])
+        else:  # training: this rank's share of the step's token mean; DDP / FSDP average over every rank
             loss = summed * self.ulysses_mesh.size() / num_items_in_batch.clamp(min=1)
         return (loss, outputs) if return_outputs else loss
 
@@ -130,20 +143,32 @@ class UlyssesTrainerMixin:
             config._attn_implementation = name
 
 
-def ulysses_trainer(trainer, sp: int):
+def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: int = 0):
     """Switch ``trainer`` (transformers' Trainer, TRL's SFTTrainer or DPOTrainer, or a subclass) to sp=``sp``.
 
     Call it after building the trainer and before ``train()``; launch with torchrun (every
     process runs the script). The processes form a ``(dp, sp)`` mesh with dp = world / sp.
     Returns ``trainer``, whose class is now a subclass of its own with the methods above.
+    Memory options, off by default: ``loss_chunk_size`` > 0 computes the Trainer / SFT loss
+    with the project's linear cross-entropy over the model's ``lm_head`` in chunks of that many
+    tokens (its logit scale and softcap applied; checked on a 4-token forward first), so no
+    ``[B, S/sp, vocab]`` logits exist at once; ``mlp_tile_size`` as ``apply_ulysses``.
     """
     _check(trainer, sp)
     world = dist.get_world_size()
     device = trainer.args.device.type
-    mesh = init_device_mesh(device, (world // sp, sp), mesh_dim_names=("dp", "sp"))
     model = trainer.accelerator.unwrap_model(trainer.model)
+    if loss_chunk_size > 0:
+        reason = fused_head_refusal(model)
+        if reason is None and _head_transform(model.config)[1] and not softcap_supported():
+            reason = f"{type(model).__name__} has a final logit softcap, which this build's fused loss lacks"
+        if reason is None and any(c.__name__ == "DPOTrainer" for c in type(trainer).__mro__):
+            reason = "DPO scores tokens through TRL's own head"
+        if reason:
+            raise ValueError(f"ulysses_trainer: loss_chunk_size={loss_chunk_size}: {reason}; leave it at 0")
+    mesh = init_device_mesh(device, (world // sp, sp), mesh_dim_names=("dp", "sp"))
     kernel = model.config._attn_implementation
-    apply_ulysses(model, mesh)
+    apply_ulysses(model, mesh, mlp_tile_size=mlp_tile_size)
     bases = [UlyssesTrainerMixin, type(trainer)]
     dpo = any(c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
     if dpo:
@@ -156,6 +181,7 @@ def ulysses_trainer(trainer, sp: int):
     trainer.__class__ = type(f"Ulysses{type(trainer).__name__}", tuple(bases), {})
     trainer.ulysses_mesh = mesh
     trainer.ulysses_kernel = kernel
+    trainer.ulysses_loss_chunk = loss_chunk_size
     # compute_loss divides by the whole step's token count; DPO's is a per-micro-batch mean of pairs
     trainer.loss_is_scaled_for_ga = None if dpo else True
     return trainer
