@@ -10,7 +10,8 @@ peak. It is measured at two sequence lengths and the difference divided by the d
 this rank's tokens, so parameters and other fixed costs drop out: bytes per local token.
 Rows: no activation checkpointing, full checkpointing per block (ours: ``ac_mode full``;
 transformers: ``gradient_checkpointing_enable``), and ours with the fused loss (``loss_backend``) and
-``mlp_tile_size`` 256 as the long-context configs set them. The logits' share grows with the vocabulary;
+``mlp_tile_size`` 256 as the long-context configs set them, and the integration with its
+``mlp_tile_size`` option (256). The logits' share grows with the vocabulary;
 train.py's fused loss never holds ``[S/sp, vocab]`` logits at once.
 """
 
@@ -77,7 +78,7 @@ def ours(folder: str, seq: int, ac: bool, chunked: bool = False) -> int:
     return saved.total
 
 
-def theirs(folder: str, seq: int, ac: bool) -> int:
+def theirs(folder: str, seq: int, ac: bool, tiled: bool = False) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
@@ -86,7 +87,7 @@ def theirs(folder: str, seq: int, ac: bool) -> int:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("sp",))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
-    apply_ulysses(model, mesh)
+    apply_ulysses(model, mesh, mlp_tile_size=256 if tiled else 0)
     if ac:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -122,12 +123,13 @@ def main() -> None:
               f"fp32; saved activations per local token between S={args.seq[0]} and S={args.seq[1]}")
     rows = [("train.py decoder", ours, False, {}), ("transformers + apply_ulysses", theirs, False, {}),
             ("train.py decoder", ours, True, {}), ("transformers + apply_ulysses", theirs, True, {}),
-            ("train.py, chunked loss + tiled MLP 256", ours, True, {"chunked": True})]
+            ("train.py, chunked loss + tiled MLP 256", ours, True, {"chunked": True}),
+            ("transformers + apply_ulysses, tiled MLP 256", theirs, False, {"tiled": True})]
     for name, fn, ac, extra in rows:
         a, b = (fn(folder, s, ac, **extra) for s in args.seq)
         per_token = (b - a) / ((args.seq[1] - args.seq[0]) / sp)
         if dist.get_rank() == 0:
-            print(f"{name:38s} AC {'full' if ac else 'none':4s}: {per_token / 1024:8.1f} KiB/token "
+            print(f"{name:44s} AC {'full' if ac else 'none':4s}: {per_token / 1024:8.1f} KiB/token "
                   f"(saved {a / 2**20:.1f} MiB at S={args.seq[0]}, {b / 2**20:.1f} MiB at S={args.seq[1]})",
                   flush=True)
     dist.barrier()

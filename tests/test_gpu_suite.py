@@ -23,7 +23,7 @@ DRY = {
                     "attn_flash_attn_pkg", "attn_sdpa_lower_right_cp", "attn_sdpa_docs_window_softcap",
                     "attn_flex_docs_window_softcap", "attn_flash_attn_docs_window_softcap", "attn_sdpa_cp4_docs_window",
                     "attn_flex_cp4_docs_window_softcap", "attn_sdpa_priority_auto", "multiprocess_one_gpu",
-                    "hf_llama_ulysses_bf16", "loss_fused_bf16",
+                    "hf_llama_ulysses_bf16", "loss_fused_bf16", "hf_sft_ulysses_bf16",
                     "full_offload_equals_full", "compile_one_step", "float8_rowwise", "trainer_1b_sp1"],
     # (profile_8b_stages is not here: its profile_cell subprocess is first's profile_1b_16k's, 20 s at toy size)
     "bench": ["bench_attention", "bench_packed_128k", "bench_rates", "8b_128k_sim8_compile_bf16_full_offload_snapshot"],

@@ -1,4 +1,4 @@
-"""integrations/transformers.py: transformers' own decoders under apply_ulysses equal one process.
+"""integrations/transformers/: transformers' own decoders under apply_ulysses equal one process.
 
 Loss, logits and every gradient at sp=2 and sp=3 against the same model run whole in one
 process, on a batch that holds packed documents (positions restarting), ignored labels and
@@ -67,28 +67,38 @@ def make_batch(vocab: int, seq: int = SEQ, batch: int = 2) -> dict:
 
 def reference(model, batch: dict):
     """One process, the whole batch: logits [B, S, V], transformers' mean loss, and gradients in ``model``."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"),
+                   attention_mask=batch.get("attention_mask"), use_cache=False).logits
     shift = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    if "attention_mask" in batch:  # right padding: the last real token predicts nothing
+        shift = shift.masked_fill(~F.pad(batch["attention_mask"][:, 1:].bool(), (0, 1), value=False), -100)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), shift.flatten(), ignore_index=-100)  # fp32 for bf16 models too
     loss.backward()
     return logits.detach(), loss.detach()
 
 
 def check_model(ref, model, batch, mesh, sp_dim: str = "sp", grads_summed: bool = False, what: str = ""):
-    """``model`` (a copy of ``ref``) under apply_ulysses gives ``ref``'s loss, logits and gradients."""
+    """``model`` (a copy of ``ref``) under apply_ulysses gives ``ref``'s loss, logits and gradients.
+
+    Without ``position_ids`` in ``batch`` the model is called with ``input_ids`` only (and
+    ``attention_mask`` when the batch has one, as one process is): the pre-hook's default positions."""
     from titan_ulysses.integrations.transformers import shard_batch, sp_loss
 
     ref_logits, ref_loss = reference(ref, batch)
     sp_mesh = mesh[sp_dim] if mesh.ndim > 1 else mesh
     sp, rank = sp_mesh.size(), sp_mesh.get_local_rank()
     local = shard_batch(batch, mesh, sp_dim)
-    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+    if "position_ids" in batch:
+        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+    else:
+        out = model(input_ids=local["input_ids"])
     loss = sp_loss(out.logits, local["shift_labels"], mesh)
     loss.backward()
     assert_close(loss.detach(), ref_loss, f"{what} loss")
     s_local = local["input_ids"].shape[1]
     start, end = rank * s_local, min((rank + 1) * s_local, batch["input_ids"].shape[1])
-    assert_close(out.logits.detach()[:, :end - start], ref_logits[:, start:end], f"{what} logits")
+    real = batch["attention_mask"][:, start:end, None] if "attention_mask" in batch else 1  # pads' logits: any
+    assert_close(out.logits.detach()[:, :end - start] * real, ref_logits[:, start:end] * real, f"{what} logits")
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     grads = {}
     for n, p in model.named_parameters():
@@ -127,6 +137,11 @@ def _models(sp: int, names: list[str], smollm2: str) -> None:
         ref = build(name)
         model = apply_ulysses(copy.deepcopy(ref), mesh)
         check_model(ref, model, make_batch(ref.config.vocab_size), mesh, what=f"{name} sp={sp}")
+    # input_ids only: the positions are the pre-hook's own, offset per rank (issue 43 item 9)
+    ref = build("llama-kv1")
+    model = apply_ulysses(copy.deepcopy(ref), mesh)
+    batch = make_batch(ref.config.vocab_size)
+    check_model(ref, model, {k: batch[k] for k in ("input_ids", "labels")}, mesh, what=f"input_ids only sp={sp}")
     # the real weights, first two of 30 layers: 9 q heads over 3 kv heads (5 + 4 at sp=2, uneven kv)
     ref = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32, num_hidden_layers=2)
     model = apply_ulysses(copy.deepcopy(ref), mesh)
@@ -209,3 +224,74 @@ def test_the_example_trains_and_saves(tmp_path):
     assert last < first - 1.0, out.stdout
     model = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp_path}/hf_loop")
     assert model.config._attn_implementation == "sdpa" and check < first - 1.0
+
+
+def _edge_cases() -> None:
+    """Issue 43 items 7-9 on 2 ranks: right padding (exact labels, then end to end), refused masks, an sp dim of
+    size 1, a batch without loss tokens, and transformers' own loss on a rank without loss tokens."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_ulysses.integrations.transformers import apply_ulysses, shard_batch, sp_loss
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "sp"))
+    rank = mesh["sp"].get_local_rank()
+    # the label shift under right padding: the last real token predicts nothing, not the pad
+    local = shard_batch({"input_ids": torch.tensor([[5, 6, 7, 8, 0, 0]]),
+                         "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]])}, mesh)
+    assert local["shift_labels"].tolist() == [[[6, 7, 8], [-100, -100, -100]][rank]]
+    with pytest.raises(ValueError, match="padding before real tokens"):  # left padding
+        shard_batch({"input_ids": torch.tensor([[0, 0, 5, 6]]), "attention_mask": torch.tensor([[0, 0, 1, 1]])}, mesh)
+    with pytest.raises(ValueError, match="size 1, nothing to split"):
+        apply_ulysses(build("llama-kv1"), mesh, sp_dim="dp")
+
+    # a right-padded batch end to end: rows of 25 and 17 real tokens, the mask kept by one process
+    ref = build("llama-kv1")
+    model = apply_ulysses(copy.deepcopy(ref), mesh)
+    batch = make_batch(ref.config.vocab_size)
+    del batch["position_ids"]
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["attention_mask"][1, 17:] = 0
+    batch["input_ids"][1, 17:] = 0
+    check_model(ref, model, batch, mesh, what="right padding sp=2")
+    # the tiled MLP option (4 tokens a tile, 13 per rank: a short last tile): exact, and tiled in forward
+    ref.zero_grad()
+    tiled = apply_ulysses(copy.deepcopy(ref), mesh, mlp_tile_size=4)
+    calls = []
+    tiled.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[1]))
+    check_model(ref, tiled, batch, mesh, what="tiled MLP sp=2")
+    assert calls[:4] == [4, 4, 4, 1], calls
+
+    local = shard_batch(batch, mesh)
+    for mask, why in ((torch.ones_like(local["input_ids"]).index_fill_(1, torch.tensor([3]), 0), "padding"),
+                      (torch.ones(1, local["input_ids"].shape[1], dtype=torch.long), "broadcast [1, S/sp]")):
+        with pytest.raises(ValueError, match="attention_mask of shape"):  # a mask reaching the forward
+            model(input_ids=local["input_ids"], attention_mask=mask)
+
+    # no loss token on the whole mesh: loss 0 and zero gradients, not NaN
+    model.zero_grad()
+    out = model(**{k: local[k] for k in ("input_ids", "position_ids")})
+    loss = sp_loss(out.logits, torch.full_like(local["shift_labels"], -100), mesh)
+    loss.backward()
+    assert loss.item() == 0 and all(not p.grad.any() for p in model.parameters() if p.grad is not None)
+
+    # transformers' own loss while rank 1 holds no loss token (its mean is NaN): equal to one process
+    ref.zero_grad()
+    model.zero_grad()
+    batch = make_batch(ref.config.vocab_size)
+    batch["labels"][:, 12:] = -100  # rank 1's tokens are 13..25: every shifted label there is ignored
+    _, ref_loss = reference(ref, batch)
+    local = shard_batch(batch, mesh)
+    sl = local["shift_labels"]
+    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], labels=sl, shift_labels=sl)
+    assert rank == 0 or out.loss.isnan()
+    loss = sp_loss(out.loss, sl, mesh)
+    loss.backward()
+    assert_close(loss.detach(), ref_loss, "transformers' loss, a rank without loss tokens")
+    for n, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        assert_close(g / 2, dict(ref.named_parameters())[n].grad, f"grad {n}", rtol=1e-5, atol=2e-5)
+
+
+def test_padding_masks_and_empty_ranks():
+    run_distributed(_edge_cases, 2)

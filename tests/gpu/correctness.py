@@ -17,6 +17,7 @@ from benchmarks.gpu_common import Case, Skip, exact_fp32, rel_err
 from titan_ulysses.ops.attention import build_attention, build_attention_mask
 
 from .attention import CASES as ATTENTION_CASES
+from .hf_trainer import hf_sft_ulysses_bf16
 from .hf_ulysses import hf_llama_ulysses_bf16
 from .loss import loss_fused_bf16
 from .multirank import multiprocess_one_gpu
@@ -308,6 +309,7 @@ CASES = [
     Case("multiprocess_one_gpu", multiprocess_one_gpu, 90, 30),
     Case("hf_llama_ulysses_bf16", hf_llama_ulysses_bf16, 30, 5),
     Case("loss_fused_bf16", loss_fused_bf16, 20, 2),  # issue 47: the fused loss's CUDA path against fp64
+    Case("hf_sft_ulysses_bf16", hf_sft_ulysses_bf16, 90, 60),
     Case("full_offload_equals_full", full_offload_equals_full, 15, 5),
     Case("checkpoint_async_pinned_resume", checkpoint_async_pinned_resume, 60, 30),
     Case("float8_tensorwise", float8_case("tensorwise"), 80, 30),

@@ -17,10 +17,7 @@ documents (positions restarting at 0) exactly as one process would see them. A f
 pre-hook gathers those positions once per forward (one small all-gather) and passes them down
 the model's ``**kwargs``; a rank's own ``position_ids`` stay global, so RoPE is right.
 
-:func:`shard_batch` cuts a full batch into this rank's slice (labels shifted on the full
-sequence first), :func:`sp_loss` turns logits or transformers' per-rank mean loss into the
-token mean of the whole mesh, and :func:`fsdp_mesh` is the mesh ``fully_shard`` must cover
-(every rank: sp ranks hold the same parameters but see other tokens). docs/transformers.md.
+docs/transformers.md.
 """
 
 from __future__ import annotations
@@ -30,32 +27,19 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_ulysses.data.sharding import shard_batch as _shard
 from titan_ulysses.distributed.ulysses import UlyssesAttention, check_heads
-from titan_ulysses.ops.loss import IGNORE_INDEX
 
-__all__ = ["apply_ulysses", "fsdp_mesh", "shard_batch", "sp_loss"]
+from .batch import _sp_mesh
+from .memory import dense_mlps, tile_mlps
+from .mixing import token_mixer
+
+__all__ = ["apply_ulysses"]
 
 FULL_POSITIONS = "ulysses_full_position_ids"
 """The kwarg that carries the full sequence's positions [B, S] from the pre-hook to every attention call."""
-
-
-def _sp_mesh(mesh: DeviceMesh, sp_dim: str) -> DeviceMesh:
-    names = mesh.mesh_dim_names or ()
-    if sp_dim not in names:
-        raise ValueError(f"mesh has dims {list(names)}, no {sp_dim!r}: name the sequence-parallel dim with sp_dim=")
-    return mesh[sp_dim] if mesh.ndim > 1 else mesh
-
-
-def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """Every rank of ``mesh`` as one 1-D mesh: what ``fully_shard`` shards over and reduces gradients on."""
-    if mesh.ndim == 1:
-        return mesh
-    return mesh._flatten("_".join(mesh.mesh_dim_names))
 
 
 def _refusal(model: nn.Module) -> str | None:
@@ -75,8 +59,18 @@ def _refusal(model: nn.Module) -> str | None:
         if getattr(module, "is_causal", True) is False or getattr(module, "is_cross_attention", False):
             return (f"apply_ulysses: {name} has non-causal or cross-attention ({type(module).__name__}); "
                     f"Ulysses wraps causal decoder self-attention only")
+    if str(config._attn_implementation).startswith("titan_ulysses"):
+        return f"apply_ulysses: {name} is already under apply_ulysses ({config._attn_implementation})"
     if getattr(config, "num_attention_heads", None) is None:
         return f"apply_ulysses: {name}'s config has no num_attention_heads"
+    if any(p.is_meta for p in model.parameters()):
+        return (f"apply_ulysses: {name} has weights on the meta device; load or materialise them first "
+                f"(one probe forward checks that only attention mixes tokens)")
+    mixer = token_mixer(model)
+    if mixer:
+        return (f"apply_ulysses: {name}'s {mixer} mixes tokens outside transformers' attention interface "
+                f"(a convolution, state-space or recurrent layer would see only its rank's slice); "
+                f"only models whose every token-mixing layer is attention can be split")
     return None
 
 
@@ -173,54 +167,69 @@ class _UlyssesFunction:
 
 
 def _positions_hook(sp_mesh: DeviceMesh):
-    """A forward pre-hook: global ``position_ids`` for this rank's tokens, and the full sequence's for attention."""
+    """A forward pre-hook: global ``position_ids`` for this rank's tokens, and the full sequence's for attention.
+
+    No host read: the slice lengths are compared on the device (``_assert_async``), the full
+    positions stay on the device (one all-gather when the caller passes ``position_ids``, none
+    when it does not: they are then 0..S-1), and the forward's signature is read once per class.
+    """
     sp, rank, group = sp_mesh.size(), sp_mesh.get_local_rank(), sp_mesh.get_group()
+    signatures: dict[type, tuple[inspect.Signature, str]] = {}
 
     def hook(module, args, kwargs):
-        signature = inspect.signature(module.forward)
-        bound = signature.bind(*args, **kwargs)
+        cls = type(module)
+        if cls not in signatures:  # the class's forward: accelerate may wrap the instance's in (*args, **kwargs)
+            signature = inspect.signature(cls.forward)
+            var_kw = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
+            signatures[cls] = (signature, var_kw)
+        signature, var_kw = signatures[cls]
+        bound = signature.bind(module, *args, **kwargs)
         arguments = bound.arguments
-        var_kw = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
         extra = arguments.get(var_kw, {})  # the **kwargs transformers passes down to attention
         ids = arguments.get("input_ids")
         ids = ids if ids is not None else arguments["inputs_embeds"]
         b, s_local = ids.shape[:2]
         if arguments.get("cache") is not None or arguments.get("past_key_values") is not None:
-            raise ValueError(f"{type(module).__name__} under apply_ulysses: no cache (training forward only)")
+            raise ValueError(f"{cls.__name__} under apply_ulysses: no cache (training forward only)")
         mask = arguments.get("attention_mask")
-        if mask is not None:
-            if not bool(mask.all()):
-                raise ValueError(f"{type(module).__name__} under apply_ulysses: attention_mask with padding; "
-                                 f"shard_batch turns padding into ignored labels instead")
+        if mask is not None:  # only when the caller passes one: shard_batch returns none
+            if tuple(mask.shape) != (b, s_local) or not bool(mask.all()):
+                raise ValueError(f"{cls.__name__} under apply_ulysses: attention_mask of shape {tuple(mask.shape)} "
+                                 f"with padding or not [batch, S/sp]; shard_batch turns padding into ignored labels "
+                                 f"and returns no mask")
             arguments["attention_mask"] = None
         lengths = torch.empty(sp, dtype=torch.int64, device=ids.device)
         dist.all_gather_into_tensor(lengths, torch.tensor([s_local], device=ids.device), group=group)
-        if len(set(lengths.tolist())) > 1:
-            raise ValueError(f"the sp ranks hold {lengths.tolist()} tokens; every rank must hold S/sp "
-                             f"(shard_batch pads S to a multiple of sp)")
+        torch._assert_async((lengths == s_local).all(), "apply_ulysses: the sp ranks hold slices of different "
+                            "lengths; every rank must hold S/sp tokens (shard_batch pads S to a multiple of sp)")
         positions = arguments.get("position_ids")
-        if positions is None:  # global positions of this rank's tokens
-            positions = torch.arange(rank * s_local, (rank + 1) * s_local, device=ids.device)[None]
-        positions = positions.expand(b, s_local)  # [B, S/P]
-        gathered = positions.new_empty(sp * b, s_local)  # [P * B, S/P]: rank j's block j
-        dist.all_gather_into_tensor(gathered, positions.contiguous(), group=group)
-        full = gathered.view(sp, b, s_local).transpose(0, 1).reshape(b, sp * s_local)  # [B, S]
+        if positions is None:  # global positions of this rank's tokens; the full sequence's are 0..S-1
+            positions = torch.arange(rank * s_local, (rank + 1) * s_local, device=ids.device)[None].expand(b, s_local)
+            full = torch.arange(sp * s_local, device=ids.device)[None].expand(b, sp * s_local)  # [B, S]
+        else:
+            positions = positions.expand(b, s_local)  # [B, S/P]
+            gathered = positions.new_empty(sp * b, s_local)  # [P * B, S/P]: rank j's block j
+            dist.all_gather_into_tensor(gathered, positions.contiguous(), group=group)
+            full = gathered.view(sp, b, s_local).transpose(0, 1).reshape(b, sp * s_local)  # [B, S]
         arguments["position_ids"] = positions
         if "use_cache" in signature.parameters:
             arguments["use_cache"] = False
         arguments[var_kw] = {**extra, FULL_POSITIONS: full}
-        return bound.args, bound.kwargs
+        return bound.args[1:], bound.kwargs
 
     return hook
 
 
-def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp") -> nn.Module:
+def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_tile_size: int = 0) -> nn.Module:
     """Switch ``model`` (a transformers decoder) to Ulysses over the ``sp_dim`` dim of ``mesh``.
 
     Registers a function in transformers' ``AttentionInterface`` wrapping the model's current
     kernel (``config._attn_implementation``), sets the model to it and adds a forward pre-hook
     for the positions. Call it before ``fully_shard``, activation checkpointing and compile;
     feed the model :func:`shard_batch`'s slices. Returns ``model``.
+
+    ``mlp_tile_size`` > 0 runs every dense MLP that many tokens at a time with recompute
+    (``memory.tile_mlps``): off by default, exact against the untiled model.
     """
     reason = _refusal(model)
     if reason:
@@ -228,67 +237,19 @@ def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp") -> nn.
     from transformers import AttentionInterface
 
     sp_mesh = _sp_mesh(mesh, sp_dim)
+    if mlp_tile_size > 0 and not dense_mlps(model):
+        raise ValueError(f"apply_ulysses: mlp_tile_size={mlp_tile_size} but {type(model).__name__} has no dense "
+                         f"`mlp` module (class name ending in MLP) to tile; leave mlp_tile_size at 0")
+    if sp_mesh.size() == 1:
+        raise ValueError(f"apply_ulysses: the mesh's {sp_dim!r} dim has size 1, nothing to split; run the model "
+                         f"without apply_ulysses, or give {sp_dim!r} 2 or more ranks")
     config = model.config
     n_heads = config.num_attention_heads
     check_heads(n_heads, getattr(config, "num_key_value_heads", None) or n_heads, sp_mesh.size(), 1)
     kernel = config._attn_implementation
-    if kernel.startswith("titan_ulysses"):
-        raise ValueError(f"apply_ulysses: {type(model).__name__} is already under apply_ulysses ({kernel})")
     name = f"titan_ulysses_{kernel}_sp{sp_mesh.size()}_{sp_mesh.get_group().group_name}"
     AttentionInterface.register(name, _UlyssesFunction(sp_mesh, kernel))
     model.set_attn_implementation(name)
     model.register_forward_pre_hook(_positions_hook(sp_mesh), with_kwargs=True)
+    tile_mlps(model, mlp_tile_size)
     return model
-
-
-def shard_batch(batch: dict, mesh: DeviceMesh, sp_dim: str = "sp", pad_token_id: int = 0) -> dict:
-    """This sp rank's slice of a full batch (the same on every rank of an sp group).
-
-    ``batch``: ``input_ids`` [B, S]; optional ``labels`` (transformers' convention: unshifted,
-    -100 ignored; default ``input_ids``), ``position_ids`` (packed documents restart at 0) and
-    ``attention_mask`` (right padding only). Returns ``input_ids``, ``position_ids`` (global)
-    and ``shift_labels``: labels shifted on the full sequence, -100 on padding, so that
-    position t predicts token t+1 even across the slice boundary. S is padded to a multiple of sp.
-    """
-    sp_mesh = _sp_mesh(mesh, sp_dim)
-    ids = batch["input_ids"]  # [B, S]
-    labels = batch.get("labels")
-    labels = ids if labels is None else labels
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # [B, S]: the label of token t is token t+1
-    mask = batch.get("attention_mask")
-    if mask is not None:
-        mask = mask.bool()
-        if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-            raise ValueError("shard_batch: attention_mask has padding before real tokens; pad on the right "
-                             "(tokenizer.padding_side = 'right') or pack documents with position_ids")
-        shifted = shifted.masked_fill(~F.pad(mask[:, 1:], (0, 1), value=False), IGNORE_INDEX)
-    part = _shard(ids, shifted, sp_mesh.get_local_rank(), sp_mesh.size(), positions=batch.get("position_ids"),
-                  pad_token=pad_token_id)
-    return {"input_ids": part.tokens.contiguous(), "position_ids": part.positions.contiguous(),
-            "shift_labels": part.labels.contiguous()}  # [B, S_pad/sp] each; transformers' loss views them flat
-
-
-def sp_loss(logits_or_loss: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """The token-mean loss of the whole batch over every rank of ``mesh``, from this rank's share.
-
-    ``logits_or_loss``: this rank's logits [B, S/P, V], or transformers' loss of them (the mean
-    over this rank's tokens, from ``shift_labels``; every rank must then hold a loss token).
-    ``labels``: this rank's ``shift_labels``. As ``forward_backward``: this rank's summed token
-    losses over the token count of the whole mesh (one all-reduce of the sum and the count). The
-    value returned is that global mean on every rank; its gradient is the rank's share times
-    the mesh size, which ``fully_shard``'s default mean over :func:`fsdp_mesh` turns into one
-    process's gradient.
-    """
-    count = (labels != IGNORE_INDEX).sum()
-    if logits_or_loss.dim() == 0:
-        local = logits_or_loss.float() * count
-    else:
-        local = F.cross_entropy(logits_or_loss.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                reduction="sum")
-    totals = torch.stack([local.detach(), count.to(local.dtype)])
-    for dim in range(mesh.ndim):  # summed over every rank of the mesh
-        if mesh.size(dim) > 1:
-            dist.all_reduce(totals, group=mesh.get_group(dim))
-    total, n_tokens = totals[0], totals[1]
-    share = local * mesh.size() / n_tokens
-    return share + (total / n_tokens - share.detach())

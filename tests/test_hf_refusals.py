@@ -1,0 +1,105 @@
+"""integrations/transformers/: what apply_ulysses, shard_batch and sp_loss refuse, in one line each.
+
+Hybrid decoders whose token-mixing layers are not all attention (LFM2's convolutions,
+GraniteMoeHybrid's mamba, RecurrentGemma's recurrence) would compute each rank's slice on
+its own: they are refused by a probe that finds any module mixing tokens outside
+transformers' attention interface (mixing.py), while Llama passes it. Single process: the
+refusals come before any collective.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, vocab_size=128, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+HYBRIDS = {
+    # name: (config, the layer and class the refusal must name)
+    "lfm2": (lambda: transformers.Lfm2Config(**BASE, layer_types=["full_attention", "conv"]),
+             "model.layers.1.conv (Lfm2ShortConv)"),
+    "granitemoehybrid": (lambda: transformers.GraniteMoeHybridConfig(
+        **BASE, layer_types=["attention", "mamba"], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8,
+        num_local_experts=2, num_experts_per_tok=1), "model.layers.1.mamba (GraniteMoeHybridMambaLayer)"),
+    "recurrentgemma": (lambda: transformers.RecurrentGemmaConfig(
+        **{k: v for k, v in BASE.items() if k != "max_position_embeddings"}, lru_width=64, attention_window_size=8,
+        block_types=["attention", "recurrent"]), "model.layers.1.temporal_block.rg_lru (RecurrentGemmaRglru)"),
+}
+
+
+def tiny(config):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def one_line(fn, *args, match: str, **kwargs):
+    with pytest.raises(ValueError, match=match) as e:
+        fn(*args, **kwargs)
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("name", list(HYBRIDS))
+def test_hybrid_token_mixers_are_refused(name):
+    from titan_ulysses.integrations.transformers import apply_ulysses
+
+    config, layer = HYBRIDS[name]
+    model = tiny(config())
+    kernel = model.config._attn_implementation
+    message = one_line(apply_ulysses, model, None, match="mixes tokens outside transformers' attention interface")
+    assert f"{type(model).__name__}'s {layer}" in message
+    assert model.config._attn_implementation == kernel  # the probe leaves the model as it was
+
+
+def test_llama_passes_the_probe():
+    """The control: Llama's only token mixer is attention (rotary, norms, MLP are token-local)."""
+    from titan_ulysses.integrations.transformers.mixing import token_mixer
+
+    model = tiny(transformers.LlamaConfig(**BASE))
+    assert token_mixer(model) is None
+    # and the probe does find a mixer planted in it: a causal running mean over the MLP's output
+    mlp = model.model.layers[1].mlp
+    forward = mlp.forward
+    mlp.forward = lambda x: forward(x).cumsum(1)
+    assert token_mixer(model) == "model.layers.1.mlp (LlamaMLP)"
+
+
+def test_meta_weights_are_refused():
+    from titan_ulysses.integrations.transformers import apply_ulysses
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE))
+    one_line(apply_ulysses, model, None, match="weights on the meta device")
+
+
+def test_bad_arguments_are_one_line():
+    """Each was a traceback (issue 43 item 8): no mesh, a mask one column short, 1-D ids, labels one column short."""
+    from titan_ulysses.integrations.transformers import apply_ulysses, shard_batch, sp_loss
+
+    one_line(apply_ulysses, tiny(transformers.LlamaConfig(**BASE)), None, match="mesh is NoneType, not a DeviceMesh")
+    ids = torch.randint(3, 100, (2, 8))
+    one_line(shard_batch, {"input_ids": ids, "attention_mask": torch.ones(2, 7)}, None,
+             match=r"attention_mask has shape \(2, 7\), input_ids \(2, 8\)")
+    one_line(shard_batch, {"input_ids": ids, "attention_mask": torch.ones(1, 8)}, None,  # broadcast over the rows
+             match=r"attention_mask has shape \(1, 8\)")
+    one_line(shard_batch, {"input_ids": ids[0]}, None, match=r"input_ids has shape \(8,\); pass \[batch, seq\]")
+    one_line(sp_loss, torch.randn(2, 8, 100), ids[:, :7], None, match=r"logits \(2, 8, 100\) and labels \(2, 7\)")
+
+
+def test_unsupported_trl_trainers_are_refused():
+    """GRPO (generation and rewards) and the other TRL trainers cannot be split exactly: one line naming the class."""
+    from types import SimpleNamespace
+
+    trl = pytest.importorskip("trl")
+    from titan_ulysses.integrations.transformers import ulysses_trainer
+
+    for cls in (trl.GRPOTrainer, trl.RLOOTrainer, trl.KTOTrainer):
+        trainer = cls.__new__(cls)  # the check reads the class and args only: no model, no process group
+        trainer.args = SimpleNamespace()
+        one_line(ulysses_trainer, trainer, 2, match=f"{cls.__name__} is not supported")
+    sub = type("MyGRPO", (trl.GRPOTrainer,), {})  # a user's subclass is refused by what it derives from
+    trainer = sub.__new__(sub)
+    trainer.args = SimpleNamespace()
+    one_line(ulysses_trainer, trainer, 2, match="GRPOTrainer is not supported")

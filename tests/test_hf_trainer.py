@@ -1,0 +1,206 @@
+"""integrations/transformers/trainer.py: transformers' Trainer and TRL's SFTTrainer at sp=2 equal one process.
+
+Models: Granite (a family train.py does not have: multipliers on embeddings, residuals,
+attention and logits) under Trainer, the real SmolLM2-135M (first 2 layers, its tokenizer)
+under SFTTrainer, tiny Llamas for packing and DPO. One process runs each trainer as its docs write it (the reference, in the test's own process);
+then 2 gloo ranks run the same script with ``ulysses_trainer(trainer, sp=2)`` added. With
+gradient accumulation 2 over right-padded rows of uneven lengths (so per-rank or
+per-micro-batch means would differ), the logged loss and gradient norm of every step and
+the final weights equal the one-process run's. The optimizer is SGD: Adam's update divides by
+the gradient's own size, which hides a wrong loss scale and turns fp32 noise on near-zero
+gradients into whole steps. SFTTrainer: prompt-completion rows with completion-only loss,
+and packing (padding-free rows, positions restarting at each document). DPOTrainer: the
+sequence log-probabilities summed across the sp ranks; a planted per-rank partial sum
+moves the loss away from one process's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dist_utils import assert_close, run_distributed
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+
+
+def tiny_granite():
+    """Granite, a family train.py does not have: embedding, residual, attention and logit multipliers."""
+    config = transformers.GraniteConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=128, pad_token_id=0,
+                                        max_position_embeddings=128, embedding_multiplier=4.0, residual_multiplier=0.5,
+                                        attention_multiplier=0.2, logits_scaling=2.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def tiny_llama(vocab: int = 128):
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, vocab_size=vocab, pad_token_id=0,
+                                      max_position_embeddings=128, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def token_rows(n: int = 24, vocab: int = 128) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (int(torch.randint(6, 21, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def collate(examples: list[dict]) -> dict:
+    """Right padding: pad id 0, label -100, attention_mask 0."""
+    width = max(len(e["input_ids"]) for e in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, e in enumerate(examples):
+        ids[i, :len(e["input_ids"])] = torch.tensor(e["input_ids"])
+        mask[i, :len(e["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def common_args(out: str, batch: int) -> dict:
+    return dict(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=2, max_steps=STEPS,
+                learning_rate=0.5, optim="sgd", logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
+                dataloader_drop_last=True, disable_tqdm=True)
+
+
+def build_trainer(kind: str, out: str, batch: int, tokenizer_folder: str, smollm2_folder: str | None, **overrides):
+    """``overrides``: TrainingArguments fields over common_args' (the GPU suite's bf16 on CUDA)."""
+    import datasets
+
+    if kind == "trainer":
+        args = transformers.TrainingArguments(**common_args(out, batch), remove_unused_columns=False)
+        dataset = datasets.Dataset.from_dict({"input_ids": token_rows()})
+        return transformers.Trainer(model=tiny_granite(), args=args, train_dataset=dataset, data_collator=collate,
+                                    eval_dataset=datasets.Dataset.from_dict({"input_ids": token_rows(8)}))
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    smollm2 = kind == "sft"  # the real SmolLM2-135M, its first 2 of 30 layers, and its tokenizer
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_folder if smollm2 else tokenizer_folder)
+    if not smollm2:
+        tokenizer.pad_token = "<|pad|>"
+    words = "the pass key is 12345 remember it what def return tabs spaces and digits".split()
+    g = torch.Generator().manual_seed(5)
+
+    def text(n):
+        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g))
+
+    if kind == "dpo":  # pairs whose completions differ in length: a sequence's sum spans both sp ranks
+        rows = {"prompt": [text(int(torch.randint(3, 8, (1,), generator=g))) for _ in range(24)],
+                "chosen": [" " + text(int(torch.randint(2, 9, (1,), generator=g))) for _ in range(24)],
+                "rejected": [" " + text(int(torch.randint(2, 9, (1,), generator=g))) for _ in range(24)]}
+        args = DPOConfig(**{**common_args(out, batch), "bf16": False, **overrides}, max_length=64, beta=0.5)
+        return DPOTrainer(model=tiny_llama(len(tokenizer)), ref_model=tiny_llama(len(tokenizer)), args=args,
+                          train_dataset=datasets.Dataset.from_dict(rows), processing_class=tokenizer)
+
+    rows = {"prompt": [text(int(torch.randint(2, 6, (1,), generator=g))) for _ in range(24)],
+            "completion": [" " + text(int(torch.randint(2, 6, (1,), generator=g))) for _ in range(24)]}
+    packing = kind == "sft_packed"
+    # SFTConfig's default bf16 autocasts on CPU too: fp32 to compare exactly
+    args = SFTConfig(**{**common_args(out, batch), "bf16": False, **overrides}, completion_only_loss=True,
+                     packing=packing, max_length=64, padding_free=packing, dataset_num_proc=None)
+    model = (transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32, num_hidden_layers=2)
+             if smollm2 else tiny_llama(len(tokenizer)))
+    return SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict(rows),
+                      processing_class=tokenizer)
+
+
+def result(trainer) -> dict:
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {"losses": torch.tensor(losses), "grad_norms": torch.tensor(norms), "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def one_process(kind: str, tmp, folders, dp: int = 1) -> dict:
+    trainer = build_trainer(kind, str(tmp / f"one_{kind}"), 2 * dp, *folders)
+    trainer.train()
+    out = result(trainer)
+    if kind == "trainer":
+        out["eval"] = torch.tensor(trainer.evaluate()["eval_loss"])
+    return out
+
+
+def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict) -> None:
+    import torch.distributed as dist
+
+    from titan_ulysses.integrations.transformers import ulysses_trainer
+
+    rank = dist.get_rank()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(dist.get_world_size()),
+                      LOCAL_WORLD_SIZE=str(dist.get_world_size()), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    for kind in kinds:
+        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders), sp=2)
+        trainer.train()
+        got, ref = result(trainer), refs[kind]
+        assert len(got["losses"]) == STEPS
+        assert_close(got["losses"], ref["losses"], f"{kind} losses")
+        assert_close(got["grad_norms"], ref["grad_norms"], f"{kind} grad norms")
+        for n, w in ref["weights"].items():
+            assert_close(got["weights"][n], w, f"{kind} weight {n}", rtol=1e-5, atol=1e-5)
+        if kind == "dpo":  # the classic bug planted: each rank's partial sum of a sequence's log-probabilities
+            from titan_ulysses.integrations.transformers import dpo
+
+            gather = dpo._gather_sequence
+            dpo._gather_sequence = lambda x, group: torch.cat(
+                [x if r == dist.get_rank() else torch.zeros_like(x) for r in range(dist.get_world_size())], dim=1)
+            planted = ulysses_trainer(build_trainer(kind, f"{tmp}/planted", 2, *folders), sp=2)
+            planted.args.max_steps = 1
+            planted.train()
+            dpo._gather_sequence = gather
+            bad = result(planted)["grad_norms"]  # the first loss is log 2 either way: policy = reference
+            assert (bad[0] - ref["grad_norms"][0]).abs() > 1e-2 * ref["grad_norms"][0], (bad, ref["grad_norms"])
+        if kind == "trainer":  # Granite's logits_scaling through the fused loss (chunks of 8 tokens) and tiled MLPs
+            fused = ulysses_trainer(build_trainer(kind, f"{tmp}/fused", 2, *folders), sp=2, loss_chunk_size=8,
+                                    mlp_tile_size=4)
+            fused.train()
+            mem = result(fused)
+            assert_close(mem["losses"], ref["losses"], "fused loss, tiled MLP: losses")
+            assert_close(mem["grad_norms"], ref["grad_norms"], "fused loss, tiled MLP: grad norms")
+            for n, w in ref["weights"].items():
+                assert_close(mem["weights"][n], w, f"fused loss, tiled MLP: weight {n}", rtol=1e-5, atol=1e-5)
+            assert_close(torch.tensor(fused.evaluate()["eval_loss"]), ref["eval"], "fused loss: eval loss")
+        if kind == "trainer":
+            assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), ref["eval"], "eval loss")
+            trainer.save_model(f"{tmp}/saved")
+            if rank == 0:
+                saved = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp}/saved")
+                assert saved.config._attn_implementation == "sdpa"
+                for n, p in saved.named_parameters():
+                    assert_close(p, ref["weights"][n], f"saved {n}")
+            dist.barrier()
+
+
+def test_trainer_sft_and_dpo_at_sp2_equal_one_process(tmp_path, smollm2_hf_folder):
+    from hf_fixtures import make_tokenizer
+
+    folders = (str(tmp_path / "tokenizer"), smollm2_hf_folder)
+    make_tokenizer(folders[0])
+    kinds = ["trainer", "sft", "sft_packed", "dpo"]
+    refs = {kind: one_process(kind, tmp_path, folders) for kind in kinds}
+    run_distributed(_sp_run, 2, kinds, str(tmp_path), folders, refs)
+
+
+def test_the_trl_example_trains_and_saves(tmp_path, smollm2_hf_folder):
+    """examples/trl_sft.py under torchrun at sp=2 on SmolLM2-135M's first 2 layers: it trains and saves a folder
+    that transformers reloads with the model's own kernel and the trained weights' loss."""
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "examples/trl_sft.py", "--model", smollm2_hf_folder, "--layers", "2", "--steps", "4",
+                          "--output", str(tmp_path / "trl_sft")], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": root}, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) in 4 steps at sp=2", out.stdout).groups())
+    assert last < first, out.stdout
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "trl_sft")
+    assert saved.config._attn_implementation == "sdpa" and saved.config.num_hidden_layers == 2

@@ -1,0 +1,187 @@
+"""transformers' Trainer and TRL's SFT and DPO trainers at sp=N: one call on a trainer built as usual.
+
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, ...)
+    trainer = ulysses_trainer(trainer, sp=2)  # before trainer.train()
+    trainer.train()
+
+What it changes, and nothing else (no second trainer, exchange or loss):
+- the model (and DPO's reference model) goes under :func:`apply_ulysses` over a ``(dp, sp)``
+  mesh of every process, before accelerate wraps it (DDP, or FSDP2 over every rank);
+- accelerate's data loader shards by the dp rank only (its own ``BatchSamplerShard``, with the
+  dp degree and rank): every rank of an sp group gets the same rows, in the same order;
+- ``compute_loss`` cuts the rows with :func:`shard_batch` and sums this rank's token losses.
+  Training divides by the label tokens of the whole optimizer step (every dp rank, every sp
+  slice, every gradient-accumulation micro-batch: ``num_items_in_batch``, counted on the full
+  rows and summed over dp), never by a per-rank or per-micro-batch count;
+- DPO: each row's log-probability is summed over the whole sequence across the sp ranks
+  (a differentiable all-gather of the per-token scores) before the DPO loss (``dpo.py``).
+Logging and evaluation then see one process's values; ``save_model`` writes the model with
+the kernel it was loaded with. Trainers the path cannot serve exactly (GRPO and the other
+generation or reward trainers, ``compute_metrics``, iterable datasets) are refused in one line.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titan_ulysses.ops.loss import IGNORE_INDEX
+
+from .attention import apply_ulysses
+from .batch import shard_batch, shifted_labels, sp_loss
+from .memory import _head_transform, fused_head_refusal, fused_loss_sum, softcap_supported
+
+__all__ = ["ulysses_trainer"]
+
+SUPPORTED_TRL = ("SFTTrainer", "DPOTrainer")
+"""TRL trainers whose loss this path makes exact; any other TRL trainer class in the MRO is refused."""
+_BATCH_KEYS = {"input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "cu_seq_lens_q",
+               "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "use_cache", "num_items_in_batch"}
+"""Keys of a batch compute_loss understands: the rows, their labels, and packing metadata of the full rows (the
+full positions carry the same documents)."""
+
+
+def _trl_refusal(trainer) -> str | None:
+    for cls in type(trainer).__mro__:
+        if cls.__module__.startswith("trl.") and cls.__name__.endswith("Trainer") and cls.__name__ != "BaseTrainer":
+            if cls.__name__ not in SUPPORTED_TRL:
+                return (f"ulysses_trainer: {cls.__name__} is not supported (its loss needs generation, rewards or "
+                        f"per-sequence statistics this path does not split); supported: Trainer, "
+                        f"{', '.join(SUPPORTED_TRL)}")
+            if cls.__name__ == "SFTTrainer" and getattr(trainer.args, "loss_type", "nll") != "nll":
+                return f"ulysses_trainer: SFTConfig.loss_type={trainer.args.loss_type!r}; only 'nll' is split exactly"
+            return None
+    return None
+
+
+def _check(trainer, sp: int) -> None:
+    reason = _trl_refusal(trainer)
+    if reason is None and trainer.compute_metrics is not None:
+        reason = ("ulysses_trainer: compute_metrics needs every rank's full logits; evaluate the loss only "
+                  "(compute_metrics=None) or evaluate without sp")
+    if reason is None and getattr(trainer.args, "use_liger_kernel", False):
+        reason = "ulysses_trainer: use_liger_kernel replaces the loss this path splits; set it to False"
+    if reason is None and trainer.compute_loss_func is not None:
+        reason = "ulysses_trainer: compute_loss_func is not split over sp; leave it unset"
+    if reason is None and (not dist.is_initialized() or dist.get_world_size() % sp or sp < 2):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        reason = (f"ulysses_trainer: sp={sp} needs 2 or more processes dividing the world ({world}); launch with "
+                  f"torchrun --nproc-per-node N (N a multiple of sp)")
+    if reason:
+        raise ValueError(reason)
+
+
+def _reshard(loader, dp: int, dp_rank: int):
+    """Make accelerate's prepared loader shard by the dp rank only: the same rows on every rank of an sp group."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if type(batch_sampler).__name__ == "BatchSamplerShard" and not batch_sampler.split_batches:
+        batch_sampler.num_processes, batch_sampler.process_index = dp, dp_rank
+        return loader
+    raise ValueError(f"ulysses_trainer: the data loader is {type(loader).__name__} over "
+                     f"{type(getattr(loader, 'dataset', None)).__name__}; only map-style datasets (datasets.Dataset, "
+                     f"a list) without split_batches or dispatch_batches can be sharded by dp rank")
+
+
+class UlyssesTrainerMixin:
+    """The Trainer methods ``ulysses_trainer`` replaces (mixed in front of the trainer's own class)."""
+
+    ulysses_mesh: DeviceMesh
+
+    def _get_dataloader(self, *args, **kwargs):
+        mesh = self.ulysses_mesh
+        return _reshard(super()._get_dataloader(*args, **kwargs), mesh["dp"].size(), mesh["dp"].get_local_rank())
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        """The label tokens of the whole optimizer step: every micro-batch's full rows, summed over the dp ranks."""
+        count = sum((shifted_labels(b) != IGNORE_INDEX).sum() for b in batch_samples)
+        count = torch.as_tensor(count, device=device)
+        if self.ulysses_mesh["dp"].size() > 1:
+            dist.all_reduce(count, group=self.ulysses_mesh["dp"].get_group())
+        return count
+
+    def _ulysses_forward(self, model, inputs: dict):
+        """(outputs, this rank's summed token loss, shift_labels) of this rank's slice of ``inputs``' full rows."""
+        unknown = sorted(k for k, v in inputs.items() if k not in _BATCH_KEYS and v is not None)
+        if unknown:
+            raise ValueError(f"ulysses_trainer: the batch holds {unknown}, which this path does not split over sp; "
+                             f"drop them from the collator's output")
+        local = shard_batch(inputs, self.ulysses_mesh)
+        ids, labels = local["input_ids"], local["shift_labels"]  # [B, S/sp]
+        if not self.ulysses_loss_chunk:
+            outputs = model(input_ids=ids, position_ids=local["position_ids"], use_cache=False)
+            summed = F.cross_entropy(outputs.logits.flatten(0, 1).float(), labels.flatten(),
+                                     ignore_index=IGNORE_INDEX, reduction="sum")
+            return outputs, summed, labels
+        unwrapped = self.accelerator.unwrap_model(model)  # the fused loss: no [B, S/sp, V] logits at once
+        seen = {}
+        hook = unwrapped.base_model.register_forward_hook(lambda m, a, out: seen.__setitem__("h", out.last_hidden_state))
+        try:
+            outputs = model(input_ids=ids, position_ids=local["position_ids"], use_cache=False,
+                            logits_to_keep=torch.empty(0, dtype=torch.long, device=ids.device))  # no position's logits
+        finally:
+            hook.remove()
+        return outputs, fused_loss_sum(unwrapped, seen["h"], labels, self.ulysses_loss_chunk), labels
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs, summed, labels = self._ulysses_forward(model, inputs)
+        if num_items_in_batch is None:  # evaluation: this batch's token mean, the same on every sp rank
+            count = (labels != IGNORE_INDEX).sum()
+            loss = sp_loss(summed / count.clamp(min=1), labels, self.ulysses_mesh["sp"])
+        else:  # training: this rank's share of the step's token mean; DDP / FSDP average over every rank
+            loss = summed * self.ulysses_mesh.size() / num_items_in_batch.clamp(min=1)
+        return (loss, outputs) if return_outputs else loss
+
+    def _save(self, output_dir=None, state_dict=None):
+        """Write the model with the kernel it was loaded with, not the Ulysses function's registered name."""
+        config = self.accelerator.unwrap_model(self.model).config
+        name, config._attn_implementation = config._attn_implementation, self.ulysses_kernel
+        try:
+            return super()._save(output_dir, state_dict=state_dict)
+        finally:
+            config._attn_implementation = name
+
+
+def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: int = 0):
+    """Switch ``trainer`` (transformers' Trainer, TRL's SFTTrainer or DPOTrainer, or a subclass) to sp=``sp``.
+
+    Call it after building the trainer and before ``train()``; launch with torchrun (every
+    process runs the script). The processes form a ``(dp, sp)`` mesh with dp = world / sp.
+    Returns ``trainer``, whose class is now a subclass of its own with the methods above.
+    Memory options, off by default: ``loss_chunk_size`` > 0 computes the Trainer / SFT loss
+    with the project's linear cross-entropy over the model's ``lm_head`` in chunks of that many
+    tokens (its logit scale and softcap applied; checked on a 4-token forward first), so no
+    ``[B, S/sp, vocab]`` logits exist at once; ``mlp_tile_size`` as ``apply_ulysses``.
+    """
+    _check(trainer, sp)
+    world = dist.get_world_size()
+    device = trainer.args.device.type
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if loss_chunk_size > 0:
+        reason = fused_head_refusal(model)
+        if reason is None and _head_transform(model.config)[1] and not softcap_supported():
+            reason = f"{type(model).__name__} has a final logit softcap, which this build's fused loss lacks"
+        if reason is None and any(c.__name__ == "DPOTrainer" for c in type(trainer).__mro__):
+            reason = "DPO scores tokens through TRL's own head"
+        if reason:
+            raise ValueError(f"ulysses_trainer: loss_chunk_size={loss_chunk_size}: {reason}; leave it at 0")
+    mesh = init_device_mesh(device, (world // sp, sp), mesh_dim_names=("dp", "sp"))
+    kernel = model.config._attn_implementation
+    apply_ulysses(model, mesh, mlp_tile_size=mlp_tile_size)
+    bases = [UlyssesTrainerMixin, type(trainer)]
+    dpo = any(c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
+    if dpo:
+        from .dpo import UlyssesDPOMixin
+
+        bases.insert(0, UlyssesDPOMixin)
+        ref = getattr(trainer, "ref_model", None)
+        if ref is not None:
+            apply_ulysses(trainer.accelerator.unwrap_model(ref), mesh)
+    trainer.__class__ = type(f"Ulysses{type(trainer).__name__}", tuple(bases), {})
+    trainer.ulysses_mesh = mesh
+    trainer.ulysses_kernel = kernel
+    trainer.ulysses_loss_chunk = loss_chunk_size
+    # compute_loss divides by the whole step's token count; DPO's is a per-micro-batch mean of pairs
+    trainer.loss_is_scaled_for_ga = None if dpo else True
+    return trainer
