@@ -103,3 +103,37 @@ def test_unsupported_trl_trainers_are_refused():
     trainer = sub.__new__(sub)
     trainer.args = SimpleNamespace()
     one_line(ulysses_trainer, trainer, 2, match="GRPOTrainer is not supported")
+
+
+def test_the_fused_head_loss_takes_gemma2s_final_logit_softcap():
+    """ulysses_trainer(loss_chunk_size=N)'s loss on a softcapped head (Gemma 2) equals transformers' own logits'
+    summed cross-entropy, value and gradients (it was refused before the loss registry took ``softcap=``)."""
+    import transformers
+
+    from titan_ulysses.integrations.transformers.memory import fused_head_refusal, fused_loss_sum
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                    final_logit_softcapping=3.0, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 1.0)  # logits well past the softcap: its tanh matters
+    assert fused_head_refusal(model) is None
+    hidden = torch.randn(2, 7, 32, requires_grad=True)
+    labels = torch.randint(0, 96, (2, 7))
+    labels[0, :3] = -100
+    fused = fused_loss_sum(model, hidden, labels, chunk_size=4)
+    fused.backward()
+    got_h, got_w = hidden.grad.clone(), model.lm_head.weight.grad.clone()
+    hidden.grad, model.lm_head.weight.grad = None, None
+    logits = model.lm_head(hidden)
+    logits = 3.0 * torch.tanh(logits / 3.0)
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    ref.backward()
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_h, hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_w, model.lm_head.weight.grad, rtol=1e-5, atol=1e-6)
+    uncapped = torch.nn.functional.cross_entropy(model.lm_head(hidden).flatten(0, 1), labels.flatten(),
+                                                 reduction="sum")
+    assert (uncapped - ref).abs() > 1e-2 * ref.abs()  # the softcap is not a no-op at these weights

@@ -91,15 +91,5 @@ def fused_loss_sum(model: nn.Module, hidden, labels, chunk_size: int):
     scale, softcap = _head_transform(model.config)
     weight = model.get_output_embeddings().weight
     hidden = hidden * scale if scale != 1.0 else hidden  # scale * (h @ W.T) == (scale * h) @ W.T
-    if softcap:  # the loss backend with softcap= (issue 47's registry); its absence is refused at setup
-        return loss_ops.linear_cross_entropy_sum(hidden, weight, labels, chunk_size=chunk_size,
-                                                 ignore_index=-100, softcap=softcap)
-    return loss_ops.linear_cross_entropy_sum(hidden, weight, labels, chunk_size=chunk_size, ignore_index=-100)
-
-
-def softcap_supported() -> bool:
-    import inspect
-
-    from titan_ulysses.ops import loss as loss_ops
-
-    return "softcap" in inspect.signature(loss_ops.linear_cross_entropy_sum).parameters
+    return loss_ops.linear_cross_entropy_sum(hidden, weight, labels, chunk_size=chunk_size, ignore_index=-100,
+                                             softcap=softcap)  # [] summed, fp32

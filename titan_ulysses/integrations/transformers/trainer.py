@@ -31,7 +31,7 @@ from titan_ulysses.ops.loss import IGNORE_INDEX
 
 from .attention import apply_ulysses
 from .batch import shard_batch, shifted_labels, sp_loss
-from .memory import _head_transform, fused_head_refusal, fused_loss_sum, softcap_supported
+from .memory import fused_head_refusal, fused_loss_sum
 
 __all__ = ["ulysses_trainer"]
 
@@ -160,8 +160,6 @@ def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: i
     model = trainer.accelerator.unwrap_model(trainer.model)
     if loss_chunk_size > 0:
         reason = fused_head_refusal(model)
-        if reason is None and _head_transform(model.config)[1] and not softcap_supported():
-            reason = f"{type(model).__name__} has a final logit softcap, which this build's fused loss lacks"
         if reason is None and any(c.__name__ == "DPOTrainer" for c in type(trainer).__mro__):
             reason = "DPO scores tokens through TRL's own head"
         if reason:
