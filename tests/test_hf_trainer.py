@@ -27,6 +27,8 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 STEPS = 3
+FSDP2 = {"fsdp": True, "fsdp_config": {"version": 2}}
+"""TrainingArguments that put the model under FSDP2 (every rank): the Trainer and SFT cases run under it, the rest DDP."""
 
 
 def tiny_granite():
@@ -75,7 +77,7 @@ def build_trainer(kind: str, out: str, batch: int, tokenizer_folder: str, smollm
     import datasets
 
     if kind == "trainer":
-        args = transformers.TrainingArguments(**common_args(out, batch), remove_unused_columns=False)
+        args = transformers.TrainingArguments(**{**common_args(out, batch), **overrides}, remove_unused_columns=False)
         dataset = datasets.Dataset.from_dict({"input_ids": token_rows()})
         return transformers.Trainer(model=tiny_granite(), args=args, train_dataset=dataset, data_collator=collate,
                                     eval_dataset=datasets.Dataset.from_dict({"input_ids": token_rows(8)}))
@@ -115,7 +117,8 @@ def result(trainer) -> dict:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     model = trainer.accelerator.unwrap_model(trainer.model)
-    return {"losses": torch.tensor(losses), "grad_norms": torch.tensor(norms), "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}  # FSDP2: gathered
+    return {"losses": torch.tensor(losses), "grad_norms": torch.tensor(norms), "weights": {n: p.detach().clone() for n, p in full.items()}}
 
 
 def one_process(kind: str, tmp, folders, dp: int = 1) -> dict:
@@ -136,8 +139,10 @@ def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(dist.get_world_size()),
                       LOCAL_WORLD_SIZE=str(dist.get_world_size()), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     for kind in kinds:
-        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders), sp=2)
+        fsdp = FSDP2 if kind in ("trainer", "sft") else {}
+        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders, **fsdp), sp=2)
         trainer.train()
+        assert trainer.accelerator.is_fsdp2 == bool(fsdp), (kind, trainer.accelerator.distributed_type)
         got, ref = result(trainer), refs[kind]
         assert len(got["losses"]) == STEPS
         assert_close(got["losses"], ref["losses"], f"{kind} losses")
@@ -157,7 +162,7 @@ def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict) -> None:
             bad = result(planted)["grad_norms"]  # the first loss is log 2 either way: policy = reference
             assert (bad[0] - ref["grad_norms"][0]).abs() > 1e-2 * ref["grad_norms"][0], (bad, ref["grad_norms"])
         if kind == "trainer":  # Granite's logits_scaling through the fused loss (chunks of 8 tokens) and tiled MLPs
-            fused = ulysses_trainer(build_trainer(kind, f"{tmp}/fused", 2, *folders), sp=2, loss_chunk_size=8,
+            fused = ulysses_trainer(build_trainer(kind, f"{tmp}/fused", 2, *folders, **fsdp), sp=2, loss_chunk_size=8,
                                     mlp_tile_size=4)
             fused.train()
             mem = result(fused)

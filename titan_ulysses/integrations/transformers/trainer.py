@@ -73,6 +73,32 @@ def _check(trainer, sp: int) -> None:
         raise ValueError(reason)
 
 
+def _fsdp2_on_cpu(trainer) -> None:
+    """FSDP2 as the TrainingArguments ask (``fsdp=True``), on CPU too.
+
+    accelerate 1.15 switches its state to FSDP only for GPU-like device types: on CPU (MULTI_CPU)
+    it drops the plugin transformers built, and the Trainer would silently train under DDP. Here
+    the state takes that plugin, so ``accelerator.prepare`` runs accelerate's own FSDP2 path.
+    """
+    plugin_args = getattr(trainer.args, "fsdp_plugin_args", None)
+    if plugin_args is None:
+        return
+    if plugin_args.get("fsdp_version") != 2:
+        raise ValueError("ulysses_trainer: fsdp_config version 1 (FSDP1) is not supported; set "
+                         "fsdp_config={'version': 2} (FSDP2)")
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    if state.distributed_type == DistributedType.MULTI_CPU and getattr(state, "fsdp_plugin", None) is None:
+        plugin = FullyShardedDataParallelPlugin(**plugin_args)
+        if state.mixed_precision != "no":
+            plugin.set_mixed_precision(state.mixed_precision)
+        state.fsdp_plugin, state.distributed_type = plugin, DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState does on GPU
+        trainer.is_fsdp_enabled = True
+
+
 def _reshard(loader, dp: int, dp_rank: int):
     """Make accelerate's prepared loader shard by the dp rank only: the same rows on every rank of an sp group."""
     batch_sampler = getattr(loader, "batch_sampler", None)
@@ -155,6 +181,7 @@ def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: i
     ``[B, S/sp, vocab]`` logits exist at once; ``mlp_tile_size`` as ``apply_ulysses``.
     """
     _check(trainer, sp)
+    _fsdp2_on_cpu(trainer)
     world = dist.get_world_size()
     device = trainer.args.device.type
     model = trainer.accelerator.unwrap_model(trainer.model)
