@@ -11,7 +11,8 @@ the gradient's own size, which hides a wrong loss scale and turns fp32 noise on 
 gradients into whole steps. SFTTrainer: prompt-completion rows with completion-only loss,
 and packing (padding-free rows, positions restarting at each document). DPOTrainer: the
 sequence log-probabilities summed across the sp ranks; a planted per-rank partial sum
-moves the loss away from one process's.
+moves the loss away from one process's. The Trainer and SmolLM2 SFT cases (and the example)
+run under accelerate's FSDP2 (``fsdp=True``; on CPU too), packed SFT and DPO under DDP.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def test_trainer_sft_and_dpo_at_sp2_equal_one_process(tmp_path, smollm2_hf_folde
 
 
 def test_the_trl_example_trains_and_saves(tmp_path, smollm2_hf_folder):
-    """examples/trl_sft.py under torchrun at sp=2 on SmolLM2-135M's first 2 layers: it trains and saves a folder
+    """examples/trl_sft.py --fsdp under torchrun at sp=2 on SmolLM2-135M's first 2 layers: under FSDP2 it trains and saves a folder
     that transformers reloads with the model's own kernel and the trained weights' loss."""
     import re
     import subprocess
@@ -201,11 +202,11 @@ def test_the_trl_example_trains_and_saves(tmp_path, smollm2_hf_folder):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "examples/trl_sft.py", "--model", smollm2_hf_folder, "--layers", "2", "--steps", "4",
+                          "examples/trl_sft.py", "--model", smollm2_hf_folder, "--layers", "2", "--steps", "4", "--fsdp",
                           "--output", str(tmp_path / "trl_sft")], cwd=root, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": root}, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) in 4 steps at sp=2", out.stdout).groups())
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) in 4 steps at sp=2 under FSDP2", out.stdout).groups())
     assert last < first, out.stdout
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "trl_sft")
     assert saved.config._attn_implementation == "sdpa" and saved.config.num_hidden_layers == 2
