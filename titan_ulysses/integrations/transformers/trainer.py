@@ -65,6 +65,9 @@ def _check(trainer, sp: int) -> None:
         reason = "ulysses_trainer: use_liger_kernel replaces the loss this path splits; set it to False"
     if reason is None and trainer.compute_loss_func is not None:
         reason = "ulysses_trainer: compute_loss_func is not split over sp; leave it unset"
+    fsdp = getattr(trainer.args, "fsdp_plugin_args", None)
+    if reason is None and fsdp is not None and fsdp.get("fsdp_version") != 2:
+        reason = "ulysses_trainer: FSDP1 (fsdp_config version 1) is not supported; set fsdp_config={'version': 2}"
     if reason is None and (not dist.is_initialized() or dist.get_world_size() % sp or sp < 2):
         world = dist.get_world_size() if dist.is_initialized() else 1
         reason = (f"ulysses_trainer: sp={sp} needs 2 or more processes dividing the world ({world}); launch with "
@@ -83,9 +86,6 @@ def _fsdp2_on_cpu(trainer) -> None:
     plugin_args = getattr(trainer.args, "fsdp_plugin_args", None)
     if plugin_args is None:
         return
-    if plugin_args.get("fsdp_version") != 2:
-        raise ValueError("ulysses_trainer: fsdp_config version 1 (FSDP1) is not supported; set "
-                         "fsdp_config={'version': 2} (FSDP2)")
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
