@@ -139,6 +139,15 @@ def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict) -> None:
     rank = dist.get_rank()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(dist.get_world_size()),
                       LOCAL_WORLD_SIZE=str(dist.get_world_size()), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    # DPO's differentiable all-gather on an sp group that does not start at global rank 0 (every group but the first
+    # at dp > 1; torch.distributed.nn's backward scattered from global rank 0 there): a group of rank 1 alone
+    second = dist.new_group([1])
+    if rank == 1:
+        from titan_ulysses.integrations.transformers import dpo
+
+        x = torch.arange(6.0).reshape(2, 3).requires_grad_()
+        (dpo._gather_sequence(x, second) * 2).sum().backward()
+        assert_close(x.grad, torch.full_like(x, 2.0), "all-gather backward on a group without rank 0")
     for kind in kinds:
         fsdp = FSDP2 if kind in ("trainer", "sft") else {}
         trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders, **fsdp), sp=2)
