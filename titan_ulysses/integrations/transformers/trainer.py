@@ -152,7 +152,9 @@ class UlyssesTrainerMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         outputs, summed, labels = self._ulysses_forward(model, inputs)
-        if num_items_in_batch is None:  # evaluation: this batch's token mean, the same on every sp rank
+        # evaluation (transformers passes num_items_in_batch there too, summed over dp here): this dp rank's batch token
+        # mean on every sp rank, as one process's per-batch loss; the Trainer averages the batches as one process does
+        if num_items_in_batch is None or not model.training:
             count = (labels != IGNORE_INDEX).sum()
             loss = sp_loss(summed / count.clamp(min=1), labels, self.ulysses_mesh["sp"])
         else:  # training: this rank's share of the step's token mean; DDP / FSDP average over every rank
