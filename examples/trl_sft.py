@@ -6,8 +6,8 @@
 writes SmolLM2-135M-Instruct; ``--layers 2`` keeps its first layers for a quick CPU run). The
 rows are prompt/completion pairs cut from a text file's paragraphs (first sentence -> the rest),
 trained with completion-only loss. Every rank of an sp group gets the same rows; each holds S/sp
-tokens of every row; the loss is the token mean of the whole step. On CPU it runs on gloo with
-DDP; on GPUs pass ``--fsdp`` for FSDP2 (accelerate). At the end ``save_model`` writes a folder
+tokens of every row; the loss is the token mean of the whole step. It runs under DDP, or with
+``--fsdp`` under accelerate's FSDP2 (CPU on gloo too). At the end ``save_model`` writes a folder
 that transformers loads as usual.
 """
 
@@ -42,7 +42,7 @@ def main() -> None:
     p.add_argument("--text", default="README.md")
     p.add_argument("--output", default="outputs/trl_sft")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--fsdp", action="store_true", help="FSDP2 through accelerate (GPUs)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 through accelerate (else DDP)")
     args = p.parse_args()
 
     extra = {"num_hidden_layers": args.layers} if args.layers else {}
@@ -52,15 +52,16 @@ def main() -> None:
                        gradient_accumulation_steps=2, learning_rate=1e-4, logging_steps=1, save_strategy="no",
                        report_to=[], max_length=256, completion_only_loss=True, bf16=torch.cuda.is_available(),
                        use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
-                       **({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if args.fsdp else {}))
+                       **({"fsdp": True, "fsdp_config": {"version": 2}} if args.fsdp else {}))
     trainer = SFTTrainer(model=model, args=config, train_dataset=pairs(args.text), processing_class=tokenizer)
     trainer = ulysses_trainer(trainer, sp=args.sp)  # + Ulysses
     trainer.train()
     trainer.save_model(args.output)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if trainer.is_world_process_zero():
-        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps at sp={args.sp}; saved {args.output}",
-              flush=True)
+        wrap = "FSDP2" if trainer.accelerator.is_fsdp2 else "DDP"
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps at sp={args.sp} under {wrap}; "
+              f"saved {args.output}", flush=True)
 
 
 if __name__ == "__main__":

@@ -137,3 +137,15 @@ def test_the_fused_head_loss_takes_gemma2s_final_logit_softcap():
     uncapped = torch.nn.functional.cross_entropy(model.lm_head(hidden).flatten(0, 1), labels.flatten(),
                                                  reduction="sum")
     assert (uncapped - ref).abs() > 1e-2 * ref.abs()  # the softcap is not a no-op at these weights
+
+
+def test_fsdp1_under_the_trainer_is_refused():
+    """FSDP2 is what ulysses_trainer runs and tests (test_hf_trainer.py); FSDP1 (deprecated in transformers) is one line."""
+    from types import SimpleNamespace
+
+    from titan_ulysses.integrations.transformers import ulysses_trainer
+
+    trainer = transformers.Trainer.__new__(transformers.Trainer)  # the check reads args only: no model, no group
+    trainer.args, trainer.compute_metrics, trainer.compute_loss_func = SimpleNamespace(
+        fsdp_plugin_args={"fsdp_version": 1}), None, None
+    one_line(ulysses_trainer, trainer, 2, match=r"FSDP1 \(fsdp_config version 1\) is not supported")

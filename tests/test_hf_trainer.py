@@ -11,7 +11,8 @@ the gradient's own size, which hides a wrong loss scale and turns fp32 noise on 
 gradients into whole steps. SFTTrainer: prompt-completion rows with completion-only loss,
 and packing (padding-free rows, positions restarting at each document). DPOTrainer: the
 sequence log-probabilities summed across the sp ranks; a planted per-rank partial sum
-moves the loss away from one process's.
+moves the loss away from one process's. The Trainer and SmolLM2 SFT cases (and the example)
+run under accelerate's FSDP2 (``fsdp=True``; on CPU too), packed SFT and DPO under DDP.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 STEPS = 3
+DP = 1
+"""The sp runs' dp degree (sp=2). DP = 2 (dp2 x sp2, 4 processes) passes every assertion too, evaluation included, but
+costs about 25 s more on 2 cores than the test budget allows."""
+FSDP2 = {"fsdp": True, "fsdp_config": {"version": 2}}
+"""TrainingArguments that put the model under FSDP2 (every rank): the Trainer and SFT cases run under it, the rest DDP."""
 
 
 def tiny_granite():
@@ -75,10 +81,10 @@ def build_trainer(kind: str, out: str, batch: int, tokenizer_folder: str, smollm
     import datasets
 
     if kind == "trainer":
-        args = transformers.TrainingArguments(**common_args(out, batch), remove_unused_columns=False)
+        args = transformers.TrainingArguments(**{**common_args(out, batch), **overrides}, remove_unused_columns=False)
         dataset = datasets.Dataset.from_dict({"input_ids": token_rows()})
         return transformers.Trainer(model=tiny_granite(), args=args, train_dataset=dataset, data_collator=collate,
-                                    eval_dataset=datasets.Dataset.from_dict({"input_ids": token_rows(8)}))
+                                    eval_dataset=datasets.Dataset.from_dict({"input_ids": token_rows(16)}))
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
     smollm2 = kind == "sft"  # the real SmolLM2-135M, its first 2 of 30 layers, and its tokenizer
@@ -115,7 +121,8 @@ def result(trainer) -> dict:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     model = trainer.accelerator.unwrap_model(trainer.model)
-    return {"losses": torch.tensor(losses), "grad_norms": torch.tensor(norms), "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}  # FSDP2: gathered
+    return {"losses": torch.tensor(losses), "grad_norms": torch.tensor(norms), "weights": {n: p.detach().clone() for n, p in full.items()}}
 
 
 def one_process(kind: str, tmp, folders, dp: int = 1) -> dict:
@@ -135,9 +142,20 @@ def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict) -> None:
     rank = dist.get_rank()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(dist.get_world_size()),
                       LOCAL_WORLD_SIZE=str(dist.get_world_size()), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    # DPO's differentiable all-gather on an sp group that does not start at global rank 0 (every group but the first
+    # at dp > 1; torch.distributed.nn's backward scattered from global rank 0 there): a group of rank 1 alone
+    second = dist.new_group([1])
+    if rank == 1:
+        from titan_ulysses.integrations.transformers import dpo
+
+        x = torch.arange(6.0).reshape(2, 3).requires_grad_()
+        (dpo._gather_sequence(x, second) * 2).sum().backward()
+        assert_close(x.grad, torch.full_like(x, 2.0), "all-gather backward on a group without rank 0")
     for kind in kinds:
-        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders), sp=2)
+        fsdp = FSDP2 if kind in ("trainer", "sft") else {}
+        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders, **fsdp), sp=2)
         trainer.train()
+        assert trainer.accelerator.is_fsdp2 == bool(fsdp), (kind, trainer.accelerator.distributed_type)
         got, ref = result(trainer), refs[kind]
         assert len(got["losses"]) == STEPS
         assert_close(got["losses"], ref["losses"], f"{kind} losses")
@@ -157,7 +175,7 @@ def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict) -> None:
             bad = result(planted)["grad_norms"]  # the first loss is log 2 either way: policy = reference
             assert (bad[0] - ref["grad_norms"][0]).abs() > 1e-2 * ref["grad_norms"][0], (bad, ref["grad_norms"])
         if kind == "trainer":  # Granite's logits_scaling through the fused loss (chunks of 8 tokens) and tiled MLPs
-            fused = ulysses_trainer(build_trainer(kind, f"{tmp}/fused", 2, *folders), sp=2, loss_chunk_size=8,
+            fused = ulysses_trainer(build_trainer(kind, f"{tmp}/fused", 2, *folders, **fsdp), sp=2, loss_chunk_size=8,
                                     mlp_tile_size=4)
             fused.train()
             mem = result(fused)
@@ -183,12 +201,12 @@ def test_trainer_sft_and_dpo_at_sp2_equal_one_process(tmp_path, smollm2_hf_folde
     folders = (str(tmp_path / "tokenizer"), smollm2_hf_folder)
     make_tokenizer(folders[0])
     kinds = ["trainer", "sft", "sft_packed", "dpo"]
-    refs = {kind: one_process(kind, tmp_path, folders) for kind in kinds}
-    run_distributed(_sp_run, 2, kinds, str(tmp_path), folders, refs)
+    refs = {kind: one_process(kind, tmp_path, folders, dp=DP) for kind in kinds}
+    run_distributed(_sp_run, 2 * DP, kinds, str(tmp_path), folders, refs)
 
 
 def test_the_trl_example_trains_and_saves(tmp_path, smollm2_hf_folder):
-    """examples/trl_sft.py under torchrun at sp=2 on SmolLM2-135M's first 2 layers: it trains and saves a folder
+    """examples/trl_sft.py --fsdp under torchrun at sp=2 on SmolLM2-135M's first 2 layers: under FSDP2 it trains and saves a folder
     that transformers reloads with the model's own kernel and the trained weights' loss."""
     import re
     import subprocess
@@ -196,11 +214,11 @@ def test_the_trl_example_trains_and_saves(tmp_path, smollm2_hf_folder):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "examples/trl_sft.py", "--model", smollm2_hf_folder, "--layers", "2", "--steps", "4",
+                          "examples/trl_sft.py", "--model", smollm2_hf_folder, "--layers", "2", "--steps", "4", "--fsdp",
                           "--output", str(tmp_path / "trl_sft")], cwd=root, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": root}, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) in 4 steps at sp=2", out.stdout).groups())
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) in 4 steps at sp=2 under FSDP2", out.stdout).groups())
     assert last < first, out.stdout
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "trl_sft")
     assert saved.config._attn_implementation == "sdpa" and saved.config.num_hidden_layers == 2

@@ -6,8 +6,10 @@ prompt/completion pairs with completion-only loss, gradient accumulation 2, SGD)
 one fp32 process; the bf16 run at sp=2 must be as close to it as one bf16 process is (2x its
 error + 2e-3, relative), in every step's loss and grad norm. ``bug_loss`` is the sp run with
 the loss divided by the first micro-batch's token count instead of the whole step's (a
-per-micro-batch normaliser, the bug the path must not have), to show the tolerance catches it. The Trainer takes the device from accelerate:
-both ranks are given LOCAL_RANK 0 so that they share GPU 0 (DDP over gloo on CUDA tensors).
+per-micro-batch normaliser, the bug the path must not have), to show the tolerance catches it. The sp runs are
+under accelerate's FSDP2 (``fsdp=True``, bf16 through its mixed-precision policy); the one-process runs plain. The
+Trainer takes the device from accelerate: both ranks are given LOCAL_RANK 0 so that they share GPU 0 (FSDP2 over
+gloo on CUDA tensors).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def _train(device, world: int, runs: dict) -> dict:
     rank). Several runs share one process start (TRL's imports take most of a run's time)."""
     import torch.distributed as dist
     from hf_fixtures import make_tokenizer
-    from test_hf_trainer import build_trainer
+    from test_hf_trainer import FSDP2, build_trainer
 
     from titan_ulysses.integrations.transformers import trainer as ulysses
 
@@ -38,13 +40,14 @@ def _train(device, world: int, runs: dict) -> dict:
         make_tokenizer(f"{d}/tok")
         for name, (bf16, planted) in runs.items():
             trainer = build_trainer("sft_packed", f"{d}/{name}", 2, f"{d}/tok", None, bf16=bf16,
-                                    use_cpu=device.type == "cpu")
+                                    use_cpu=device.type == "cpu", **(FSDP2 if world > 1 else {}))
             if world > 1:
                 trainer = ulysses.ulysses_trainer(trainer, sp=world)
             if planted:  # the first micro-batch's loss tokens instead of the whole step's
                 def first_only(batch_samples, device):
                     return (ulysses.shifted_labels(batch_samples[0]) != -100).sum().to(device)
                 trainer._get_num_items_in_batch = first_only
+            assert trainer.accelerator.is_fsdp2 == (world > 1), trainer.accelerator.distributed_type
             trainer.train()
             logs = [h for h in trainer.state.log_history if "loss" in h]
             out[name] = {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs]}
@@ -70,6 +73,6 @@ def hf_sft_ulysses_bf16(ctx):
     ok = all(sp[k] <= tol[k] for k in tol) and bug["loss"] > 10 * tol["loss"]
     return {"status": "pass" if ok else "fail", "figures": figures,
             "detail": "TRL SFTTrainer (tiny Llama, packed prompt/completion rows, completion-only loss, gradient "
-                      "accumulation 2) under ulysses_trainer at sp=2 in bf16 on gloo ranks sharing the device vs one "
-                      "fp32 process: every step's loss and grad norm within 2x one bf16 process's error + 2e-3 (rel.); "
+                      "accumulation 2) under ulysses_trainer at sp=2, FSDP2, in bf16 on gloo ranks sharing the device "
+                      "vs one fp32 process: every step's loss and grad norm within 2x one bf16 process's error + 2e-3 (rel.); "
                       "bug_loss: a per-micro-batch token normaliser, must exceed 10x the loss tolerance"}

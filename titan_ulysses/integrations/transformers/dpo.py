@@ -14,11 +14,10 @@ process's tensors.
 
 from __future__ import annotations
 
-import warnings
 from types import SimpleNamespace
 
 import torch
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 
 from titan_ulysses.ops.loss import IGNORE_INDEX
 
@@ -27,9 +26,9 @@ from .batch import shard_batch
 
 def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """[B, S/P] on each rank -> [B, S_pad] on every rank, differentiable (backward sums the ranks' gradients)."""
-    with warnings.catch_warnings():  # deprecated in torch 2.13, still the differentiable all-gather it documents
-        warnings.simplefilter("ignore", FutureWarning)
-        return torch.cat(dist_fn.all_gather(x.contiguous(), group=group), dim=1)
+    # functional collectives: backward is a reduce-scatter over ``group``. (torch.distributed.nn's all_gather emulates
+    # it on gloo with scatters from group index i taken as a global rank: wrong for any sp group but the first, dp > 1)
+    return funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=1, group=group)
 
 
 class _SPScorer:

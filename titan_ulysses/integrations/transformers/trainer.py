@@ -65,12 +65,38 @@ def _check(trainer, sp: int) -> None:
         reason = "ulysses_trainer: use_liger_kernel replaces the loss this path splits; set it to False"
     if reason is None and trainer.compute_loss_func is not None:
         reason = "ulysses_trainer: compute_loss_func is not split over sp; leave it unset"
+    fsdp = getattr(trainer.args, "fsdp_plugin_args", None)
+    if reason is None and fsdp is not None and fsdp.get("fsdp_version") != 2:
+        reason = "ulysses_trainer: FSDP1 (fsdp_config version 1) is not supported; set fsdp_config={'version': 2}"
     if reason is None and (not dist.is_initialized() or dist.get_world_size() % sp or sp < 2):
         world = dist.get_world_size() if dist.is_initialized() else 1
         reason = (f"ulysses_trainer: sp={sp} needs 2 or more processes dividing the world ({world}); launch with "
                   f"torchrun --nproc-per-node N (N a multiple of sp)")
     if reason:
         raise ValueError(reason)
+
+
+def _fsdp2_on_cpu(trainer) -> None:
+    """FSDP2 as the TrainingArguments ask (``fsdp=True``), on CPU too.
+
+    accelerate 1.15 switches its state to FSDP only for GPU-like device types: on CPU (MULTI_CPU)
+    it drops the plugin transformers built, and the Trainer would silently train under DDP. Here
+    the state takes that plugin, so ``accelerator.prepare`` runs accelerate's own FSDP2 path.
+    """
+    plugin_args = getattr(trainer.args, "fsdp_plugin_args", None)
+    if plugin_args is None:
+        return
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    if state.distributed_type == DistributedType.MULTI_CPU and getattr(state, "fsdp_plugin", None) is None:
+        plugin = FullyShardedDataParallelPlugin(**plugin_args)
+        if state.mixed_precision != "no":
+            plugin.set_mixed_precision(state.mixed_precision)
+        state.fsdp_plugin, state.distributed_type = plugin, DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState does on GPU
+        trainer.is_fsdp_enabled = True
 
 
 def _reshard(loader, dp: int, dp_rank: int):
@@ -126,7 +152,9 @@ class UlyssesTrainerMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         outputs, summed, labels = self._ulysses_forward(model, inputs)
-        if num_items_in_batch is None:  # evaluation: this batch's token mean, the same on every sp rank
+        # evaluation (transformers passes num_items_in_batch there too, summed over dp here): this dp rank's batch token
+        # mean on every sp rank, as one process's per-batch loss; the Trainer averages the batches as one process does
+        if num_items_in_batch is None or not model.training:
             count = (labels != IGNORE_INDEX).sum()
             loss = sp_loss(summed / count.clamp(min=1), labels, self.ulysses_mesh["sp"])
         else:  # training: this rank's share of the step's token mean; DDP / FSDP average over every rank
@@ -155,6 +183,7 @@ def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: i
     ``[B, S/sp, vocab]`` logits exist at once; ``mlp_tile_size`` as ``apply_ulysses``.
     """
     _check(trainer, sp)
+    _fsdp2_on_cpu(trainer)
     world = dist.get_world_size()
     device = trainer.args.device.type
     model = trainer.accelerator.unwrap_model(trainer.model)
