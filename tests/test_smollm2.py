@@ -205,8 +205,11 @@ def test_the_example_trains_and_evaluates_and_generates_like_transformers(smollm
                                       "--training.steps", "1", "--training.seq_len", "64",
                                       "--training.local_batch_size", "1", "--checkpoint.enable", "false",
                                       "--job.dump_folder", str(dump)])
-    with open(dump / "metrics.jsonl") as f:  # the first 64 tokens of files (4.2 measured); a random init: 10.8
-        assert 0.5 < json.loads(f.readline())["loss"] < 6.0
+    # the first 64 tokens of a file of this repository's own package (the corpus): 4.2 measured on 2026-11-25's
+    # package, 6.5 on 2026-11-28's (the integration's new files); a random init is 10.8. The weights' exactness is
+    # generate.py's and eval_long's against transformers, below
+    with open(dump / "metrics.jsonl") as f:
+        assert 0.5 < json.loads(f.readline())["loss"] < 8.0
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     _script("generate.py", [*common, "--checkpoint", folder, "--prompt", "def forward(self, x):",
