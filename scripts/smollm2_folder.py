@@ -34,7 +34,6 @@ no OUT):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -73,11 +72,9 @@ def default_cache() -> str:
 
 
 def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    from titan_ulysses.data.digest import file_digest  # the package's one file digest
+
+    return file_digest(path)
 
 
 def _checked(path: str, digest: str, what: str) -> str:

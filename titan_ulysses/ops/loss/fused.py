@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from titan_ulysses.ops.loss.common import chunk_rows, upcast_dtype
 
@@ -33,8 +34,6 @@ tensors (the planner's tracker) run the meta kernel on any device, so they take 
 
 
 def _out_dtype_mm(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
     return t.device.type in OUT_DTYPE_MM_DEVICES or is_fake(t)
 
 
