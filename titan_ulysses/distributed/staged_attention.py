@@ -46,7 +46,7 @@ from titan_ulysses.distributed.ulysses import UlyssesAttention, head_to_seq, hea
     seq_to_head_uneven
 from titan_ulysses.ops.attention.contracts import HeadAttention
 
-__all__ = ["StagePlan", "apply_head_stages", "check_head_stages", "stage_plans"]
+__all__ = ["StagePlan", "apply_head_stages", "attend_stage", "check_head_stages", "exchange_stage", "stage_plans"]
 
 
 def _balanced(a: int, b: int, parts: int) -> list[tuple[int, int]]:
@@ -65,28 +65,29 @@ def rank_q_ranges(n_heads: int, n_kv_heads: int, sp: int) -> list[tuple[int, int
     return list(head_plan(n_heads, n_kv_heads, sp).q)
 
 
-def check_head_stages(stages: int, n_heads: int, n_kv_heads: int, sp: int, tp: int = 1) -> None:
-    """Refuse a stage count the heads cannot take, in one line naming ``parallelism.ulysses_head_stages``.
+def check_head_stages(stages: int, n_heads: int, n_kv_heads: int, sp: int, tp: int = 1,
+                      setting: str = "parallelism.ulysses_head_stages", degree: str = "ulysses_degree") -> None:
+    """Refuse a stage count the heads cannot take, in one line naming ``setting`` (``degree``: the sp degree's name).
 
     Every stage gives every rank at least one q head; with an even head split the stages must
     divide the heads per rank (equal stages, one equal-block all-to-all each)."""
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-        raise ValueError(f"parallelism.ulysses_head_stages must be an integer >= 1 (1 = off), got {stages!r}")
+        raise ValueError(f"{setting} must be an integer >= 1 (1 = off), got {stages!r}")
     if stages == 1:
         return
     if tp > 1:
-        raise ValueError(f"parallelism.ulysses_head_stages {stages} does not combine with tensor_parallel_degree {tp} "
-                         f"(the stages slice the projections themselves); use ulysses_head_stages = 1 with tp")
+        raise ValueError(f"{setting} {stages} does not combine with tensor_parallel_degree {tp} "
+                         f"(the stages slice the projections themselves); use {setting.rsplit('.', 1)[-1]} = 1 with tp")
     hq, hkv = n_heads // tp, n_kv_heads // tp
     counts = [b - a for a, b in rank_q_ranges(hq, hkv, sp)]
     fewest = min(counts)
     if stages > fewest:
-        raise ValueError(f"parallelism.ulysses_head_stages {stages} is more than the {fewest} q heads a rank attends "
-                         f"({hq} heads over ulysses_degree {sp}); use at most {fewest}")
+        raise ValueError(f"{setting} {stages} is more than the {fewest} q heads a rank attends "
+                         f"({hq} heads over {degree} {sp}); use at most {fewest}")
     if len(set(counts)) == 1 and fewest % stages:
         good = [g for g in range(1, fewest + 1) if fewest % g == 0]
-        raise ValueError(f"parallelism.ulysses_head_stages {stages} does not divide the {fewest} q heads per rank "
-                         f"({hq} heads over ulysses_degree {sp}); use one of {good}")
+        raise ValueError(f"{setting} {stages} does not divide the {fewest} q heads per rank "
+                         f"({hq} heads over {degree} {sp}); use one of {good}")
 
 
 @dataclass(frozen=True)
@@ -187,27 +188,37 @@ class HeadStagedAttention:
         inner = self.inner_attention
         kwargs = self.attention_kwargs
         if isinstance(inner, UlyssesAttention):
-            out = self._exchange_and_attend(inner, plan, q, k, v, attention_mask, kwargs)  # [B, S/P, P*h, Dh]
+            out = exchange_stage(inner, plan, q, k, v, attention_mask, **kwargs)  # [B, S/P, P*h, Dh]
         else:
-            out = self._attend(inner, plan, 0, q, k, v, attention_mask, kwargs)
+            out = attend_stage(inner, plan, 0, q, k, v, attention_mask, **kwargs)
         return F.linear(out.flatten(2), _select(proj.o.weight, plan.q, dh, 1))  # [B, S/P, D]
 
-    def _attend(self, local, plan, rank, q, k, v, attention_mask, kwargs):
-        index = plan.kv_index(rank)
-        if index is not None:  # q heads straddling kv groups unevenly: one kv head per q head
-            idx = torch.tensor(index, device=k.device)
-            k, v = k.index_select(2, idx), v.index_select(2, idx)
-        return local(q, k, v, attention_mask, **kwargs)
 
-    def _exchange_and_attend(self, inner, plan, q, k, v, attention_mask, kwargs):
-        if plan.even:
-            q, k, v = seq_to_head([q, k, v], inner.group, inner.sp)  # [B, S, h, Dh]
-            out = self._attend(inner.local_attention, plan, inner.rank, q, k, v, attention_mask, kwargs)
-            return head_to_seq(out, inner.group, inner.sp)  # [B, S/P, P*h, Dh]
-        packed = plan.exchange_plan()
-        q, k, v = seq_to_head_uneven(q, k, v, packed, inner.group, inner.rank)  # [B, S, h_r, Dh]
-        out = self._attend(inner.local_attention, plan, inner.rank, q, k, v, attention_mask, kwargs)
-        return head_to_seq_uneven(out, packed, inner.group)
+
+def attend_stage(local, plan: StagePlan, rank: int, q, k, v, *args, **kwargs):
+    """``local(q, k, v, *args, **kwargs)`` on rank ``rank``'s heads of a stage, its kv heads expanded to one per
+    q head where they do not form even GQA groups. q: [B, S, h_r, Dh], k/v: [B, S, c_r, Dh]."""
+    index = plan.kv_index(rank)
+    if index is not None:  # q heads straddling kv groups unevenly: one kv head per q head
+        idx = torch.tensor(index, device=k.device)
+        k, v = k.index_select(2, idx), v.index_select(2, idx)
+    return local(q, k, v, *args, **kwargs)
+
+
+def exchange_stage(inner: UlyssesAttention, plan: StagePlan, q, k, v, *args, **kwargs):
+    """One stage through ``inner``'s group: exchange, ``inner.local_attention``, exchange back.
+
+    q: [B, S/P, P*h, Dh] and k/v: [B, S/P, P*c, Dh], the stage's heads of every rank in rank
+    order (``plan.q`` / ``plan.kv``) -> [B, S/P, P*h, Dh] in the same order. Also the
+    transformers integration's stages (``integrations/transformers/staged.py``)."""
+    if plan.even:
+        q, k, v = seq_to_head([q, k, v], inner.group, inner.sp)  # [B, S, h, Dh]
+        out = attend_stage(inner.local_attention, plan, inner.rank, q, k, v, *args, **kwargs)
+        return head_to_seq(out, inner.group, inner.sp)  # [B, S/P, P*h, Dh]
+    packed = plan.exchange_plan()
+    q, k, v = seq_to_head_uneven(q, k, v, packed, inner.group, inner.rank)  # [B, S, h_r, Dh]
+    out = attend_stage(inner.local_attention, plan, inner.rank, q, k, v, *args, **kwargs)
+    return head_to_seq_uneven(out, packed, inner.group)
 
 
 def _run_stage(module, x, cos, sin, attention_mask, plan):

@@ -35,6 +35,7 @@ from titan_ulysses.distributed.ulysses import UlyssesAttention, check_heads
 from .batch import _sp_mesh
 from .memory import dense_mlps, tile_mlps
 from .mixing import token_mixer
+from .staged import HeadStages, check_stages
 
 __all__ = ["apply_ulysses"]
 
@@ -75,11 +76,14 @@ def _refusal(model: nn.Module) -> str | None:
 
 
 class _LocalHeads:
-    """The attention module as the kernel sees it after the exchange: its q/kv head ratio is this rank's."""
+    """The attention module as the kernel sees it after the exchange: its q/kv head ratio is this rank's, and
+    its attention sinks (one per q head, which an eager kernel reads from ``module.sinks``) are this rank's."""
 
-    def __init__(self, module: nn.Module, groups: int):
+    def __init__(self, module: nn.Module, groups: int, sinks: torch.Tensor | None = None):
         self._module = module
         self.num_key_value_groups = groups
+        if sinks is not None:
+            self.sinks = sinks
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -101,10 +105,12 @@ class _KernelConfig:
 class _UlyssesFunction:
     """The function registered in ``AttentionInterface``: the exchange around ``kernel``."""
 
-    def __init__(self, sp_mesh: DeviceMesh, kernel: str):
+    def __init__(self, sp_mesh: DeviceMesh, kernel: str, head_stages: int = 1):
         self.kernel = kernel
         self.exchange = UlyssesAttention(self._local, sp_mesh)
         self.exchange.check_slices = False  # the pre-hook checks the slice lengths once per forward
+        if head_stages > 1:  # staged.py: the same exchange, G groups of heads one after another
+            self.exchange = HeadStages(self.exchange, head_stages)
         self._masks: tuple = (None, {})  # (the full positions they were built for, {(window, dtype): mask})
 
     def _kernel_fn(self, module):
@@ -139,7 +145,7 @@ class _UlyssesFunction:
         # q: [B, S, Hq_r, D], k/v: [B, S, Hkv_r, D] -> the kernel's [B, H, S, D]
         if sinks is not None:
             kwargs = {**kwargs, "s_aux": sinks}
-        heads = _LocalHeads(module, q.shape[2] // k.shape[2])
+        heads = _LocalHeads(module, q.shape[2] // k.shape[2], sinks)
         out, _ = self._kernel_fn(module)(heads, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, **kwargs)
         return out  # [B, S, Hq_r, D]
 
@@ -220,7 +226,8 @@ def _positions_hook(sp_mesh: DeviceMesh):
     return hook
 
 
-def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_tile_size: int = 0) -> nn.Module:
+def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_tile_size: int = 0,
+                  head_stages: int = 1) -> nn.Module:
     """Switch ``model`` (a transformers decoder) to Ulysses over the ``sp_dim`` dim of ``mesh``.
 
     Registers a function in transformers' ``AttentionInterface`` wrapping the model's current
@@ -230,6 +237,8 @@ def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_ti
 
     ``mlp_tile_size`` > 0 runs every dense MLP that many tokens at a time with recompute
     (``memory.tile_mlps``): off by default, exact against the untiled model.
+    ``head_stages`` > 1 runs each attention in that many groups of heads, each exchanged, attended
+    and checkpointed on its own (``staged.py``): one group's full-sequence q/k/v/out alive at a time.
     """
     reason = _refusal(model)
     if reason:
@@ -245,10 +254,13 @@ def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_ti
                          f"without apply_ulysses, or give {sp_dim!r} 2 or more ranks")
     config = model.config
     n_heads = config.num_attention_heads
-    check_heads(n_heads, getattr(config, "num_key_value_heads", None) or n_heads, sp_mesh.size(), 1)
+    n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
+    check_heads(n_heads, n_kv_heads, sp_mesh.size(), 1)
+    check_stages(head_stages, n_heads, n_kv_heads, sp_mesh.size())
     kernel = config._attn_implementation
-    name = f"titan_ulysses_{kernel}_sp{sp_mesh.size()}_{sp_mesh.get_group().group_name}"
-    AttentionInterface.register(name, _UlyssesFunction(sp_mesh, kernel))
+    staged = f"_stages{head_stages}" if head_stages > 1 else ""
+    name = f"titan_ulysses_{kernel}_sp{sp_mesh.size()}{staged}_{sp_mesh.get_group().group_name}"
+    AttentionInterface.register(name, _UlyssesFunction(sp_mesh, kernel, head_stages))
     model.set_attn_implementation(name)
     model.register_forward_pre_hook(_positions_hook(sp_mesh), with_kwargs=True)
     tile_mlps(model, mlp_tile_size)

@@ -171,7 +171,7 @@ class UlyssesTrainerMixin:
             config._attn_implementation = name
 
 
-def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: int = 0):
+def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: int = 0, head_stages: int = 1):
     """Switch ``trainer`` (transformers' Trainer, TRL's SFTTrainer or DPOTrainer, or a subclass) to sp=``sp``.
 
     Call it after building the trainer and before ``train()``; launch with torchrun (every
@@ -180,7 +180,7 @@ def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: i
     Memory options, off by default: ``loss_chunk_size`` > 0 computes the Trainer / SFT loss
     with the project's linear cross-entropy over the model's ``lm_head`` in chunks of that many
     tokens (its logit scale and softcap applied; checked on a 4-token forward first), so no
-    ``[B, S/sp, vocab]`` logits exist at once; ``mlp_tile_size`` as ``apply_ulysses``.
+    ``[B, S/sp, vocab]`` logits exist at once; ``mlp_tile_size`` and ``head_stages`` as ``apply_ulysses``.
     """
     _check(trainer, sp)
     _fsdp2_on_cpu(trainer)
@@ -195,7 +195,7 @@ def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: i
             raise ValueError(f"ulysses_trainer: loss_chunk_size={loss_chunk_size}: {reason}; leave it at 0")
     mesh = init_device_mesh(device, (world // sp, sp), mesh_dim_names=("dp", "sp"))
     kernel = model.config._attn_implementation
-    apply_ulysses(model, mesh, mlp_tile_size=mlp_tile_size)
+    apply_ulysses(model, mesh, mlp_tile_size=mlp_tile_size, head_stages=head_stages)
     bases = [UlyssesTrainerMixin, type(trainer)]
     dpo = any(c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
     if dpo:
