@@ -16,7 +16,8 @@ into G groups of heads; here transformers has already projected and roped q, k a
 Each stage is a non-reentrant ``torch.utils.checkpoint`` of its own: forward keeps only the
 local q/k/v (shared by all stages) and each stage's local output; backward recomputes one
 stage and runs its backward before the next. So at any time one stage's full-sequence
-tensors exist, ``1/G`` of one layer's under plain Ulysses for equal stages, while plain
+tensors exist, ``1/G`` of one layer's under plain Ulysses for equal stages (a kv head that
+one stage's q heads share is resent in each stage: that part does not shrink), while plain
 Ulysses keeps every layer's until backward reaches it. Attention sinks (``s_aux``, one logit
 per q head) are split with the q heads. Nested under ``gradient_checkpointing_enable`` and
 ``fully_shard`` they need nothing else: the checkpoints nest.
