@@ -1,6 +1,6 @@
 """apply_ulysses(..., head_stages=G): exact against one process, and one stage's full-sequence tensors at a time.
 
-At sp=2 with 2 stages, loss, logits and every gradient equal the whole model in one process
+At sp=2 with 2 stages (and 4 for the Llama), loss, logits and every gradient equal the whole model in one process
 (test_hf_ulysses.check_model, trained-like weights: a stage writing the wrong head slots moves
 the logits far past the tolerance): a GQA Llama (8 q / 2 kv heads: the even exchange), a
 Llama with 9 q / 3 kv heads (SmolLM2's: 5 and 4 q heads per rank, the uneven exchange, stages
@@ -117,6 +117,9 @@ def _staged(names: list[str]) -> None:
         if name.startswith("gpt-oss"):  # its one-process forward builds masks without position_ids: no packing
             batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).repeat(len(batch["input_ids"]), 1)
         check_model(ref, model, batch, mesh, what=f"{name} head_stages=2")
+    ref = build("llama-gqa")  # 4 stages of one q head each, all four sharing the rank's kv head
+    check_model(ref, apply_ulysses(copy.deepcopy(ref), mesh, head_stages=4), make_batch(128), mesh,
+                what="llama-gqa head_stages=4")
     with pytest.raises(ValueError, match=r"^apply_ulysses: head_stages 3 does not divide the 4 q heads per rank"):
         apply_ulysses(build("llama-gqa"), mesh, head_stages=3)  # wired in: refused before the model is touched
 

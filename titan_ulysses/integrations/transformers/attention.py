@@ -16,6 +16,7 @@ sequence's positions: causal, the layer's ``sliding_window`` over global positio
 documents (positions restarting at 0) exactly as one process would see them. A forward
 pre-hook gathers those positions once per forward (one small all-gather) and passes them down
 the model's ``**kwargs``; a rank's own ``position_ids`` stay global, so RoPE is right.
+With ``head_stages=G`` the exchange runs in G checkpointed groups of heads (``staged.py``).
 
 docs/transformers.md.
 """
