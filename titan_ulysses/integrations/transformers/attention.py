@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_ulysses.distributed.ulysses import UlyssesAttention, check_heads
 
 from .batch import _sp_mesh
-from .memory import dense_mlps, tile_mlps
+from .memory import dense_mlps, fuse_head_loss, tile_mlps
 from .mixing import token_mixer
 
 __all__ = ["apply_ulysses"]
@@ -220,7 +220,8 @@ def _positions_hook(sp_mesh: DeviceMesh):
     return hook
 
 
-def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_tile_size: int = 0) -> nn.Module:
+def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_tile_size: int = 0,
+                  fused_loss: bool = False, loss_chunk_size: int = 0) -> nn.Module:
     """Switch ``model`` (a transformers decoder) to Ulysses over the ``sp_dim`` dim of ``mesh``.
 
     Registers a function in transformers' ``AttentionInterface`` wrapping the model's current
@@ -230,6 +231,10 @@ def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_ti
 
     ``mlp_tile_size`` > 0 runs every dense MLP that many tokens at a time with recompute
     (``memory.tile_mlps``): off by default, exact against the untiled model.
+    ``fused_loss``: called with ``shift_labels``, the model returns ``.loss`` (this rank's token
+    mean) from the project's fused linear cross-entropy over ``lm_head`` (its logit scale and
+    softcap applied) and no logits (``memory.fuse_head_loss``); ``loss_chunk_size`` > 0 overrides
+    its automatic chunk. A head it cannot reproduce (checked on a 4-token forward) is refused.
     """
     reason = _refusal(model)
     if reason:
@@ -246,6 +251,11 @@ def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_ti
     config = model.config
     n_heads = config.num_attention_heads
     check_heads(n_heads, getattr(config, "num_key_value_heads", None) or n_heads, sp_mesh.size(), 1)
+    if loss_chunk_size and not fused_loss:
+        raise ValueError(f"apply_ulysses: loss_chunk_size={loss_chunk_size} sets the fused loss's chunk; add "
+                         f"fused_loss=True or leave loss_chunk_size at 0")
+    if fused_loss:  # before the switch: its check runs one plain forward
+        fuse_head_loss(model, loss_chunk_size)
     kernel = config._attn_implementation
     name = f"titan_ulysses_{kernel}_sp{sp_mesh.size()}_{sp_mesh.get_group().group_name}"
     AttentionInterface.register(name, _UlyssesFunction(sp_mesh, kernel))
