@@ -152,9 +152,13 @@ def _fused_class(cls: type) -> type:
         finally:
             hook.remove()
         if not dataclasses.is_dataclass(out):
-            raise ValueError(f"{cls.__name__} under apply_ulysses(fused_loss=True) returned a tuple (config.return_dict "
-                             f"False); set model.config.return_dict = True")
+            raise ValueError(f"{cls.__name__} under apply_ulysses(fused_loss=True) returned a tuple "
+                             f"(config.return_dict False); set model.config.return_dict = True")
         head = self.ulysses_fused_head
+        if hasattr(self.get_output_embeddings().weight, "full_tensor"):  # a DTensor: lm_head sharded on its own
+            raise ValueError(f"{cls.__name__} under apply_ulysses(fused_loss=True): lm_head's weight is sharded "
+                             f"outside the forward (fully_shard(lm_head) of its own); leave lm_head to the root's "
+                             f"fully_shard(model)")
         summed = fused_loss_sum(self, seen["h"], shift, head.chunk_size, (head.scale, head.softcap))  # [] fp32
         count = (shift != -100).sum()
         loss = summed / (num_items if num_items is not None else count.clamp(min=1))  # transformers' convention
