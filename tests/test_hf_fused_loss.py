@@ -7,7 +7,8 @@ passed to the forward and ``sp_loss(out.loss, ...)``; the reference is transform
 and loss in one process. The forward computes no logits at all (``lm_head`` sees zero positions);
 without ``shift_labels`` it gives the ordinary logits. Planted bugs (the scale or the softcap
 dropped) move the loss past the tolerance; heads the fused loss cannot reproduce, labels it
-would shift within a slice and an ``lm_head`` sharded on its own are refused in one line.
+would shift within a slice, labels of another length and an ``lm_head`` sharded on its own are
+refused in one line.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def _user_loop() -> None:
     ids = torch.randint(3, 100, (1, 6))
     with pytest.raises(ValueError, match="pass shift_labels=local"):
         model(input_ids=ids, labels=ids)
+    with pytest.raises(ValueError, match=r"shift_labels \(1, 12\) for hidden states \(1, 6\)"):
+        model(input_ids=ids, shift_labels=ids.repeat(1, 2))  # the full rows' labels, not this rank's
     fully_shard(model.lm_head, mesh=fsdp_mesh(mesh))  # resharded after its (empty) forward: the loss would see a shard
     fully_shard(model, mesh=fsdp_mesh(mesh))
     with pytest.raises(ValueError, match="leave lm_head to the root's fully_shard"):

@@ -159,6 +159,10 @@ def _fused_class(cls: type) -> type:
             raise ValueError(f"{cls.__name__} under apply_ulysses(fused_loss=True): lm_head's weight is sharded "
                              f"outside the forward (fully_shard(lm_head) of its own); leave lm_head to the root's "
                              f"fully_shard(model)")
+        if tuple(shift.shape) != tuple(seen["h"].shape[:2]):
+            raise ValueError(f"{cls.__name__} under apply_ulysses(fused_loss=True): shift_labels "
+                             f"{tuple(shift.shape)} for hidden states {tuple(seen['h'].shape[:2])}; pass "
+                             f"shard_batch's shift_labels of this rank's slice")
         summed = fused_loss_sum(self, seen["h"], shift, head.chunk_size, (head.scale, head.softcap))  # [] fp32
         count = (shift != -100).sum()
         loss = summed / (num_items if num_items is not None else count.clamp(min=1))  # transformers' convention
