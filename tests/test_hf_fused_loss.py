@@ -1,7 +1,7 @@
 """apply_ulysses(fused_loss=True) in the user's own loop equals one process: loss and every gradient.
 
-Granite (its logits divided by ``logits_scaling``) and Gemma 2 (a final logit softcap low enough to
-bite) at sp=2 under ``fully_shard``, on test_hf_ulysses.py's batch (packed documents, ignored
+Granite (its logits divided by ``logits_scaling``; with tiled MLPs) and Gemma 2 (a final logit
+softcap low enough to bite; under gradient checkpointing) at sp=2 under ``fully_shard``, on test_hf_ulysses.py's batch (packed documents, ignored
 labels, a length sp does not divide). The loop is docs/transformers.md's with ``shift_labels``
 passed to the forward and ``sp_loss(out.loss, ...)``; the reference is transformers' own logits
 and loss in one process. The forward computes no logits at all (``lm_head`` sees zero positions);
@@ -29,12 +29,14 @@ BASE = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, vocab_siz
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
             bos_token_id=1, eos_token_id=2)
 MODELS = {
-    # name: (config class, overrides, kernel, loss_chunk_size, the planted bug's FusedHead change)
+    # name: (config class, overrides, kernel, apply_ulysses options, the planted bug's FusedHead change)
+    # Granite: chunks of 5 tokens and tiled MLPs (4 tokens a tile); Gemma 2: the automatic chunk, under
+    # transformers' gradient checkpointing
     "granite-logits-scaling": ("GraniteConfig", dict(logits_scaling=4.0, embedding_multiplier=2.0,
                                                      residual_multiplier=0.5, attention_multiplier=0.25),
-                               "sdpa", 5, dict(scale=1.0)),
+                               "sdpa", dict(loss_chunk_size=5, mlp_tile_size=4), dict(scale=1.0)),
     "gemma2-softcap": ("Gemma2Config", dict(final_logit_softcapping=3.0, attn_logit_softcapping=20.0,
-                                            query_pre_attn_scalar=16, sliding_window=5), "eager", 0,
+                                            query_pre_attn_scalar=16, sliding_window=5), "eager", {},
                        dict(softcap=None)),
 }
 
@@ -57,9 +59,12 @@ def _user_loop() -> None:
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("sp",))
     rank = mesh.get_local_rank()
-    for name, (_, _, _, chunk, planted) in MODELS.items():
+    for name, (_, _, _, options, planted) in MODELS.items():
         ref = build(name)
-        model = apply_ulysses(copy.deepcopy(ref), mesh, fused_loss=True, loss_chunk_size=chunk)
+        model = apply_ulysses(copy.deepcopy(ref), mesh, fused_loss=True, **options)
+        if not options:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
         for layer in model.model.layers:
             fully_shard(layer, mesh=fsdp_mesh(mesh))
         fully_shard(model, mesh=fsdp_mesh(mesh))
@@ -74,7 +79,8 @@ def _user_loop() -> None:
         loss = sp_loss(out.loss, local["shift_labels"], mesh)
         loss.backward()
         assert_close(loss.detach(), ref_loss, f"{name} loss")
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # fully_shard: the mean over ranks
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor()  # fully_shard: the ranks' mean
+                 for n, p in model.named_parameters()}
         for n, p in ref.named_parameters():
             assert_close(grads[n], p.grad, f"{name} grad {n}", rtol=1e-5, atol=2e-5)
         with torch.no_grad():
