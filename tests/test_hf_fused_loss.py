@@ -6,9 +6,9 @@ labels, a length sp does not divide). The loop is docs/transformers.md's with ``
 passed to the forward and ``sp_loss(out.loss, ...)``; the reference is transformers' own logits
 and loss in one process. The forward computes no logits at all (``lm_head`` sees zero positions);
 without ``shift_labels`` it gives the ordinary logits. Planted bugs (the scale or the softcap
-dropped) move the loss past the tolerance; heads the fused loss cannot reproduce, labels it
-would shift within a slice, labels of another length and an ``lm_head`` sharded on its own are
-refused in one line.
+dropped) move the loss past the tolerance; heads the fused loss cannot reproduce, a router
+loss it would drop, labels it would shift within a slice or of another length and an ``lm_head``
+sharded on its own are refused in one line.
 """
 
 from __future__ import annotations
@@ -96,11 +96,14 @@ def _user_loop() -> None:
             bad = sp_loss(out.loss, local["shift_labels"], mesh)
         assert (bad - ref_loss).abs() > 1e-2 * ref_loss, (name, planted, bad, ref_loss)
 
-    # refusals, one line each: a head the fused loss does not reproduce (a logit_scale Llama never applies),
-    # a chunk without the option, labels the forward would shift within the rank's slice
+    # refusals, one line each: a head the fused loss does not reproduce (a logit_scale Llama never applies), a
+    # router loss it would drop, a chunk without the option, labels the forward would shift within the rank's slice
     lying = transformers.LlamaConfig(**BASE, logit_scale=2.0, attn_implementation="sdpa")
+    router = transformers.Qwen3MoeConfig(**BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         output_router_logits=True, attn_implementation="sdpa")
     for model, kwargs, words in (
             (transformers.AutoModelForCausalLM.from_config(lying), dict(fused_loss=True), "does not reproduce"),
+            (transformers.AutoModelForCausalLM.from_config(router), dict(fused_loss=True), "output_router_logits"),
             (build("granite-logits-scaling"), dict(loss_chunk_size=8), "add fused_loss=True")):
         with pytest.raises(ValueError, match=words) as e:
             apply_ulysses(model, mesh, **kwargs)

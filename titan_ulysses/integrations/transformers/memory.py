@@ -154,6 +154,9 @@ def _fused_class(cls: type) -> type:
         if not dataclasses.is_dataclass(out):
             raise ValueError(f"{cls.__name__} under apply_ulysses(fused_loss=True) returned a tuple "
                              f"(config.return_dict False); set model.config.return_dict = True")
+        if getattr(out, "aux_loss", None) is not None:
+            raise ValueError(f"{cls.__name__} under apply_ulysses(fused_loss=True): output_router_logits adds a "
+                             f"router loss of this rank's slice that the fused loss would drop; set it to False")
         head = self.ulysses_fused_head
         if hasattr(self.get_output_embeddings().weight, "full_tensor"):  # a DTensor: lm_head sharded on its own
             raise ValueError(f"{cls.__name__} under apply_ulysses(fused_loss=True): lm_head's weight is sharded "
@@ -181,6 +184,9 @@ def fuse_head_loss(model: nn.Module, chunk_size: int = 0) -> None:
     reason = fused_head_refusal(model)
     if reason is None and "logits_to_keep" not in inspect.signature(base.forward).parameters:
         reason = f"{base.__name__}'s forward takes no logits_to_keep, so it would compute every logit anyway"
+    if reason is None and getattr(model.config.get_text_config(), "output_router_logits", False):
+        reason = (f"{base.__name__}'s config.output_router_logits adds a router loss to transformers' loss that the "
+                  f"fused loss does not compute; set it to False")
     if reason:
         raise ValueError(f"apply_ulysses: fused_loss=True: {reason}; leave fused_loss off")
     scale, softcap = _head_transform(model.config)
