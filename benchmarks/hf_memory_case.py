@@ -3,8 +3,8 @@ on CUDA in bf16.
 
 Runs ``scripts/bench_hf_memory.py --device cuda --dtype bfloat16`` (2 gloo ranks sharing GPU 0, sp=2, FSDP2
 mixed precision; the fused loss at its automatic chunk) and records each row's bytes per local token (saved by
-autograd, and of the step's peak) and its peak at the longer length. It passes when every option lowers that peak
-below the peak of the row it is added to (``LOWER``: measured against measured, no figure written down). Without
+autograd, and of the step's peak) and its peaks at both lengths. It passes when every option lowers the peak at
+the longer length below that of the row it is added to (``LOWER``: measured against measured, no figure written down). Without
 the fused loss the logits make the peak, so the tiled MLP is judged alone without checkpointing and on top of the
 fused loss with it. The CPU dry run checks the plumbing at toy sizes, where a fixed cost (FSDP's reduce of the
 output layer's gradients at the end of the backward) can be the whole peak: it records, it does not judge.
