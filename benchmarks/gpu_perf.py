@@ -321,6 +321,8 @@ BENCH_CASES = [
     Case("bench_rates", _lazy("planner_cases", "bench_rates"), 60, 5),  # planning/rates.py's figures
     Case("profile_8b_stages", _lazy("planner_cases", "profile_8b_stages"), 110, 15),  # why stages are faster
     Case("8b_128k_sim8_compile_bf16_full_offload_snapshot", _lazy("offload_case", "offload_vs_full_snapshot"), 80, 10),
+    # issue 45: the transformers integration's memory options, peak per token on CUDA (scripts/bench_hf_memory.py)
+    Case("hf_memory_bf16", _lazy("hf_memory_case", "hf_memory_bf16"), 120, 25),
     *[Case(f"8b_128k_sim8_{'compile' if c else 'eager'}_{p}_{ac}",
            train_cell(os.path.join(CONFIGS, "llama3_8b_128k.toml"), c, p, ac, SIM8_ONE_STAGE, 128 * K), 110, 10)
       for c, p, ac in ((True, "bf16", "selective"), (True, "float8", "selective"), (True, "bf16", "full"),

@@ -182,6 +182,7 @@ def short_parts() -> dict[str, list[Case]]:
             Case("bench_rates", bench_rates, 60, 10),  # the step-time model's rates (planning/rates.py)
             Case("profile_8b_stages", profile_8b_stages, 110, 30),  # why head stages are faster
             known["hf_sft_ulysses_bf16"],  # issue 45: TRL's SFTTrainer under ulysses_trainer, bf16
+            known["hf_memory_bf16"],  # issue 45: apply_ulysses' memory options, peak per token (bench_hf_memory.py)
             Case("8b_128k_sim8_eager_bf16_full", cell_steps(False, "bf16", "full"), 45, 10),
             Case("8b_128k_sim8_eager_bf16_full_offload", cell_steps(False, "bf16", "full_offload"), 45, 10)]
     return {"first": first, "second": second, "rest": rest}

@@ -26,7 +26,8 @@ DRY = {
                     "hf_llama_ulysses_bf16", "loss_fused_bf16", "hf_sft_ulysses_bf16",
                     "full_offload_equals_full", "compile_one_step", "float8_rowwise", "trainer_1b_sp1"],
     # (profile_8b_stages is not here: its profile_cell subprocess is first's profile_1b_16k's, 20 s at toy size)
-    "bench": ["bench_attention", "bench_packed_128k", "bench_rates", "8b_128k_sim8_compile_bf16_full_offload_snapshot"],
+    "bench": ["bench_attention", "bench_packed_128k", "bench_rates", "8b_128k_sim8_compile_bf16_full_offload_snapshot",
+              "hf_memory_bf16"],
     "limits": ["estimate_validate_8b_32k", "longest_1b_one_gpu"],
     # its train.py cells only build their command lines in a dry run (benchmarks/perf_ab.py)
     "perf": ["perf_1b_16k_default", "perf_prefetch_off", "perf_sync_free_off", "perf_loss_materialized",

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_ulysses.distributed.ulysses import UlyssesAttention, check_heads
 
 from .batch import _sp_mesh
-from .memory import dense_mlps, tile_mlps
+from .memory import dense_mlps, fuse_head_loss, tile_mlps
 from .mixing import token_mixer
 from .staged import HeadStages, check_stages
 
@@ -228,7 +228,7 @@ def _positions_hook(sp_mesh: DeviceMesh):
 
 
 def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_tile_size: int = 0,
-                  head_stages: int = 1) -> nn.Module:
+                  head_stages: int = 1, fused_loss: bool = False, loss_chunk_size: int = 0) -> nn.Module:
     """Switch ``model`` (a transformers decoder) to Ulysses over the ``sp_dim`` dim of ``mesh``.
 
     Registers a function in transformers' ``AttentionInterface`` wrapping the model's current
@@ -240,6 +240,10 @@ def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_ti
     (``memory.tile_mlps``): off by default, exact against the untiled model.
     ``head_stages`` > 1 runs each attention in that many groups of heads, each exchanged, attended
     and checkpointed on its own (``staged.py``): one group's full-sequence q/k/v/out alive at a time.
+    ``fused_loss``: called with ``shift_labels``, the model returns ``.loss`` (this rank's token
+    mean) from the project's fused linear cross-entropy over ``lm_head`` (its logit scale and
+    softcap applied) and no logits (``memory.fuse_head_loss``); ``loss_chunk_size`` > 0 overrides
+    its automatic chunk. A head it cannot reproduce (checked on a 4-token forward) is refused.
     """
     reason = _refusal(model)
     if reason:
@@ -258,6 +262,11 @@ def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_ti
     n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
     check_heads(n_heads, n_kv_heads, sp_mesh.size(), 1)
     check_stages(head_stages, n_heads, n_kv_heads, sp_mesh.size())
+    if loss_chunk_size and not fused_loss:
+        raise ValueError(f"apply_ulysses: loss_chunk_size={loss_chunk_size} sets the fused loss's chunk; add "
+                         f"fused_loss=True or leave loss_chunk_size at 0")
+    if fused_loss:  # before the switch: its check runs one plain forward
+        fuse_head_loss(model, loss_chunk_size)
     kernel = config._attn_implementation
     staged = f"_stages{head_stages}" if head_stages > 1 else ""
     name = f"titan_ulysses_{kernel}_sp{sp_mesh.size()}{staged}_{sp_mesh.get_group().group_name}"

@@ -85,7 +85,7 @@ def sp_loss(logits_or_loss: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh
 
     ``logits_or_loss``: this rank's logits [B, S/P, V], or transformers' loss of them (the mean
     over this rank's tokens, from ``shift_labels``; a rank without loss tokens, whose mean is
-    NaN, adds nothing). A batch without any loss token on the whole mesh gives loss 0 and zero
+    NaN, adds nothing), or the same mean from ``apply_ulysses(fused_loss=True)``'s ``.loss``. A batch without any loss token on the whole mesh gives loss 0 and zero
     gradients, not NaN.
     ``labels``: this rank's ``shift_labels``. As ``forward_backward``: this rank's summed token
     losses over the token count of the whole mesh (one all-reduce of the sum and the count). The

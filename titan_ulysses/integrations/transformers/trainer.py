@@ -31,7 +31,6 @@ from titan_ulysses.ops.loss import IGNORE_INDEX
 
 from .attention import apply_ulysses
 from .batch import shard_batch, shifted_labels, sp_loss
-from .memory import fused_head_refusal, fused_loss_sum
 
 __all__ = ["ulysses_trainer"]
 
@@ -140,15 +139,11 @@ class UlyssesTrainerMixin:
             summed = F.cross_entropy(outputs.logits.flatten(0, 1).float(), labels.flatten(),
                                      ignore_index=IGNORE_INDEX, reduction="sum")
             return outputs, summed, labels
-        unwrapped = self.accelerator.unwrap_model(model)  # the fused loss: no [B, S/sp, V] logits at once
-        seen = {}
-        hook = unwrapped.base_model.register_forward_hook(lambda m, a, out: seen.__setitem__("h", out.last_hidden_state))
-        try:
-            outputs = model(input_ids=ids, position_ids=local["position_ids"], use_cache=False,
-                            logits_to_keep=torch.empty(0, dtype=torch.long, device=ids.device))  # no position's logits
-        finally:
-            hook.remove()
-        return outputs, fused_loss_sum(unwrapped, seen["h"], labels, self.ulysses_loss_chunk), labels
+        # apply_ulysses(fused_loss=True): the model's forward scores its head chunk by chunk, no [B, S/sp, V] logits;
+        # num_items_in_batch=1: transformers' convention (the sum over it) gives the summed loss
+        outputs = model(input_ids=ids, position_ids=local["position_ids"], use_cache=False, shift_labels=labels,
+                        num_items_in_batch=1)
+        return outputs, outputs.loss, labels
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         outputs, summed, labels = self._ulysses_forward(model, inputs)
@@ -187,15 +182,13 @@ def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: i
     world = dist.get_world_size()
     device = trainer.args.device.type
     model = trainer.accelerator.unwrap_model(trainer.model)
-    if loss_chunk_size > 0:
-        reason = fused_head_refusal(model)
-        if reason is None and any(c.__name__ == "DPOTrainer" for c in type(trainer).__mro__):
-            reason = "DPO scores tokens through TRL's own head"
-        if reason:
-            raise ValueError(f"ulysses_trainer: loss_chunk_size={loss_chunk_size}: {reason}; leave it at 0")
+    if loss_chunk_size > 0 and any(c.__name__ == "DPOTrainer" for c in type(trainer).__mro__):
+        raise ValueError(f"ulysses_trainer: loss_chunk_size={loss_chunk_size}: DPO scores tokens through TRL's own "
+                         f"head; leave it at 0")
     mesh = init_device_mesh(device, (world // sp, sp), mesh_dim_names=("dp", "sp"))
     kernel = model.config._attn_implementation
-    apply_ulysses(model, mesh, mlp_tile_size=mlp_tile_size, head_stages=head_stages)
+    apply_ulysses(model, mesh, mlp_tile_size=mlp_tile_size, head_stages=head_stages, fused_loss=loss_chunk_size > 0,
+                  loss_chunk_size=loss_chunk_size)
     bases = [UlyssesTrainerMixin, type(trainer)]
     dpo = any(c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
     if dpo:
