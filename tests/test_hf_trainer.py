@@ -32,6 +32,8 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 FSDP2 = {"fsdp": True, "fsdp_config": {"version": 2}}
 """TrainingArguments that put the model under FSDP2 (every rank): every case runs under it."""
+SFT_METRICS = ("entropy", "mean_token_accuracy", "num_tokens")
+"""What TRL's SFTTrainer logs each step besides the loss: under ulysses_trainer, one process's values."""
 
 
 def tiny_granite():
@@ -121,7 +123,10 @@ def result(trainer) -> dict:
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     model = trainer.accelerator.unwrap_model(trainer.model)
     full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}  # FSDP2: gathered
-    return {"losses": torch.tensor(losses), "grad_norms": torch.tensor(norms), "weights": {n: p.detach().clone() for n, p in full.items()}}
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    metrics = {k: torch.tensor([h[k] for h in steps], dtype=torch.float64) for k in SFT_METRICS if k in steps[0]}
+    return {"losses": torch.tensor(losses), "grad_norms": torch.tensor(norms), "metrics": metrics,
+            "weights": {n: p.detach().clone() for n, p in full.items()}}
 
 
 def one_process(kind: str, tmp, folders, dp: int = 1, steps: int = STEPS) -> dict:
@@ -152,11 +157,21 @@ def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict, steps: int =
         (dpo._gather_sequence(x, second) * 2).sum().backward()
         assert_close(x.grad, torch.full_like(x, 2.0), "all-gather backward on a group without rank 0")
     for kind in kinds:
-        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders, max_steps=steps, **FSDP2), sp=2)
+        chunk = 16 if kind == "sft_packed" else 0  # packed rows through the fused loss: no logits, no entropy logged
+        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders, max_steps=steps, **FSDP2), sp=2,
+                                  loss_chunk_size=chunk)
         trainer.train()
         assert trainer.accelerator.is_fsdp2, (kind, trainer.accelerator.distributed_type)
         got, ref = result(trainer), refs[kind]
         assert len(got["losses"]) == steps
+        if kind.startswith("sft"):  # TRL's metrics: one process's, or (fused loss) not logged at all
+            assert set(got["metrics"]) == ({"num_tokens"} if chunk else set(SFT_METRICS)), got["metrics"].keys()
+            for key, values in got["metrics"].items():
+                assert_close(values, ref["metrics"][key], f"{kind} {key}", rtol=1e-5, atol=1e-6)
+        if kind == "dpo":  # the reference model too, as TRL shards it where accelerate keeps FSDP (GPU)
+            from torch.distributed.fsdp import FSDPModule
+
+            assert isinstance(trainer.ref_model, FSDPModule), type(trainer.ref_model)
         assert_close(got["losses"], ref["losses"], f"{kind} losses")
         assert_close(got["grad_norms"], ref["grad_norms"], f"{kind} grad norms")
         for n, w in ref["weights"].items():

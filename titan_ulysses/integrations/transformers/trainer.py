@@ -227,12 +227,18 @@ def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: i
     bases = [UlyssesTrainerMixin, type(trainer)]
     dpo = any(c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
     if dpo:
-        from .dpo import UlyssesDPOMixin
+        from .dpo import UlyssesDPOMixin, shard_reference, unsharded
 
         bases.insert(0, UlyssesDPOMixin)
         ref = getattr(trainer, "ref_model", None)
         if ref is not None:
-            apply_ulysses(trainer.accelerator.unwrap_model(ref), mesh)
+            ref = trainer.ref_model = shard_reference(trainer, ref)  # under FSDP2 as TRL shards it on GPU
+            with unsharded(ref, getattr(trainer.accelerator.state.fsdp_plugin, "reshard_after_forward", True)):
+                apply_ulysses(trainer.accelerator.unwrap_model(ref), mesh)
+    if any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__):
+        from .sft_metrics import UlyssesSFTMixin
+
+        bases.insert(0, UlyssesSFTMixin)  # TRL's entropy, token accuracy and token count, as one process logs them
     trainer.__class__ = type(f"Ulysses{type(trainer).__name__}", tuple(bases), {})
     trainer.ulysses_mesh = mesh
     trainer.ulysses_kernel = kernel
