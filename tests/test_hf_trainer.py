@@ -281,3 +281,22 @@ def test_fsdp1_from_accelerate_launch_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"FSDP1 .*fsdp_version: 2") as e:
         ulysses_trainer(trainer, 2)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("sizes", [{"sp_size": 2}, {"cp_size": 2}, {"tp_size": 2},
+                                   {"dp_replicate_size": 2, "dp_shard_size": 2}])
+def test_a_parallelism_config_that_contradicts_sp_is_refused(sizes):
+    """accelerate's ParallelismConfig with another sequence split (DeepSpeed's sp, cp), tp or HSDP: one line naming it."""
+    from types import SimpleNamespace
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from titan_ulysses.integrations.transformers import ulysses_trainer
+
+    trainer = transformers.Trainer.__new__(transformers.Trainer)  # the check reads args only: no model, no group
+    trainer.args = SimpleNamespace(fsdp_plugin_args=None, parallelism_config=ParallelismConfig(**sizes))
+    trainer.compute_metrics = trainer.compute_loss_func = None
+    key = next(iter(sizes))
+    with pytest.raises(ValueError, match=rf"ParallelismConfig has .*{key}=2.* contradicts sp=2") as e:
+        ulysses_trainer(trainer, 2)
+    assert "\n" not in str(e.value)

@@ -58,8 +58,23 @@ def _trl_refusal(trainer) -> str | None:
     return None
 
 
+def _parallelism_refusal(trainer, sp: int) -> str | None:
+    """accelerate's ParallelismConfig (the TrainingArguments' or the launcher's) may only shard over every rank."""
+    accelerator = getattr(trainer, "accelerator", None)
+    config = getattr(accelerator, "parallelism_config", None) or getattr(trainer.args, "parallelism_config", None)
+    if config is None:
+        return None
+    other = [f"{k}={getattr(config, k)}" for k in ("sp_size", "cp_size", "tp_size", "dp_replicate_size")
+             if (getattr(config, k, None) or 1) > 1]
+    if not other:
+        return None
+    return (f"ulysses_trainer: accelerate's ParallelismConfig has {', '.join(other)}, which contradicts sp={sp} over a "
+            f"(dp, sp) mesh with FSDP2 over every rank (sp_size is DeepSpeed's Ulysses, cp_size / tp_size split the "
+            f"sequence or weights again, dp_replicate_size is HSDP, untested here); leave them at 1")
+
+
 def _check(trainer, sp: int) -> None:
-    reason = _trl_refusal(trainer)
+    reason = _trl_refusal(trainer) or _parallelism_refusal(trainer, sp)
     if reason is None and trainer.compute_metrics is not None:
         reason = ("ulysses_trainer: compute_metrics needs every rank's full logits; evaluate the loss only "
                   "(compute_metrics=None) or evaluate without sp")
