@@ -12,7 +12,9 @@ gradients into whole steps. SFTTrainer: prompt-completion rows with completion-o
 and packing (padding-free rows, positions restarting at each document). DPOTrainer: the
 sequence log-probabilities summed across the sp ranks; a planted per-rank partial sum
 moves the loss away from one process's. Every case runs under accelerate's FSDP2 (``fsdp=True``; on
-CPU too). dp2 x sp2 (4 processes): Granite under Trainer and a tiny Llama under SFTTrainer. The
+CPU too; DPO's reference model too) but one under DDP. dp2 x sp2 (4 processes): Granite under
+Trainer (FSDP2) and a tiny Llama under SFTTrainer (DDP). SFT's logged entropy, token accuracy and
+token count equal one process's too. The
 example runs under ``accelerate launch`` with examples/accelerate_fsdp2.yaml (FSDP2 from
 accelerate's config alone) against its own trainer in one process.
 """
@@ -31,7 +33,9 @@ pytestmark = pytest.mark.slow
 
 STEPS = 3
 FSDP2 = {"fsdp": True, "fsdp_config": {"version": 2}}
-"""TrainingArguments that put the model under FSDP2 (every rank): every case runs under it."""
+"""TrainingArguments that put the model under FSDP2 (every rank): every case but DDP_KINDS runs under it."""
+DDP_KINDS = {"sft_tiny"}
+"""Cases run under DDP (torchrun, no fsdp in the arguments), so that path stays tested too (at dp2 x sp2)."""
 SFT_METRICS = ("entropy", "mean_token_accuracy", "num_tokens")
 """What TRL's SFTTrainer logs each step besides the loss: under ulysses_trainer, one process's values."""
 
@@ -139,7 +143,7 @@ def one_process(kind: str, tmp, folders, dp: int = 1, steps: int = STEPS) -> dic
 
 
 def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict, steps: int = STEPS) -> None:
-    """At sp=2 over every rank (dp = world / 2), each kind under FSDP2 against ``refs``' one-process run."""
+    """At sp=2 over every rank (dp = world / 2), each kind under FSDP2 (DDP_KINDS under DDP) against ``refs``'."""
     import torch.distributed as dist
 
     from titan_ulysses.integrations.transformers import ulysses_trainer
@@ -158,10 +162,13 @@ def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict, steps: int =
         assert_close(x.grad, torch.full_like(x, 2.0), "all-gather backward on a group without rank 0")
     for kind in kinds:
         chunk = 16 if kind == "sft_packed" else 0  # packed rows through the fused loss: no logits, no entropy logged
-        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders, max_steps=steps, **FSDP2), sp=2,
+        wrap = {} if kind in DDP_KINDS else FSDP2
+        if not wrap:  # accelerate leaves ACCELERATE_USE_FSDP=true in the process after a trainer with an FSDP plugin,
+            os.environ.pop("ACCELERATE_USE_FSDP", None)  # which a later Accelerator (and ulysses_trainer) reads as FSDP1
+        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders, max_steps=steps, **wrap), sp=2,
                                   loss_chunk_size=chunk)
         trainer.train()
-        assert trainer.accelerator.is_fsdp2, (kind, trainer.accelerator.distributed_type)
+        assert trainer.accelerator.is_fsdp2 == bool(wrap), (kind, trainer.accelerator.distributed_type)
         got, ref = result(trainer), refs[kind]
         assert len(got["losses"]) == steps
         if kind.startswith("sft"):  # TRL's metrics: one process's, or (fused loss) not logged at all
@@ -221,8 +228,8 @@ def test_trainer_sft_and_dpo_at_sp2_equal_one_process(tmp_path, smollm2_hf_folde
 
 def test_trainer_and_sft_at_dp2_sp2_equal_one_process(tmp_path):
     """dp2 x sp2 (4 processes): rows sharded by the dp rank only, the step's token count summed over dp, evaluation
-    averaged over dp, sp groups that do not start at rank 0. Granite under Trainer and a tiny Llama under SFTTrainer
-    (completion-only), 2 steps, against one process taking both dp ranks' rows."""
+    averaged over dp, sp groups that do not start at rank 0. Granite under Trainer (FSDP2) and a tiny Llama under
+    SFTTrainer (completion-only, DDP), 2 steps, against one process taking both dp ranks' rows."""
     from hf_fixtures import make_tokenizer
 
     folders = (str(tmp_path / "tokenizer"), None)
