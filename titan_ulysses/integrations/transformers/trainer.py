@@ -6,7 +6,8 @@
 
 What it changes, and nothing else (no second trainer, exchange or loss):
 - the model (and DPO's reference model) goes under :func:`apply_ulysses` over a ``(dp, sp)``
-  mesh of every process, before accelerate wraps it (DDP, or FSDP2 over every rank);
+  mesh of every process, before accelerate wraps it (DDP, or FSDP2 over every rank, asked for
+  in the TrainingArguments or by ``accelerate launch``'s config; on CPU too);
 - accelerate's data loader shards by the dp rank only (its own ``BatchSamplerShard``, with the
   dp degree and rank): every rank of an sp group gets the same rows, in the same order;
 - ``compute_loss`` cuts the rows with :func:`shard_batch` and sums this rank's token losses.
@@ -15,8 +16,8 @@ What it changes, and nothing else (no second trainer, exchange or loss):
   rows and summed over dp), never by a per-rank or per-micro-batch count;
 - DPO: each row's log-probability is summed over the whole sequence across the sp ranks
   (a differentiable all-gather of the per-token scores) before the DPO loss (``dpo.py``).
-Logging and evaluation then see one process's values; ``save_model`` writes the model with
-the kernel it was loaded with. Trainers the path cannot serve exactly (GRPO and the other
+Logging and evaluation then see one process's values (SFT's token metrics: ``sft_metrics.py``);
+``save_model`` writes the model with the kernel it was loaded with. Trainers the path cannot serve exactly (GRPO and the other
 generation or reward trainers, ``compute_metrics``, iterable datasets) are refused in one line.
 """
 
@@ -248,7 +249,8 @@ def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: i
         ref = getattr(trainer, "ref_model", None)
         if ref is not None:
             ref = trainer.ref_model = shard_reference(trainer, ref)  # under FSDP2 as TRL shards it on GPU
-            with unsharded(ref, getattr(trainer.accelerator.state.fsdp_plugin, "reshard_after_forward", True)):
+            plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)  # None under DDP
+            with unsharded(ref, getattr(plugin, "reshard_after_forward", True)):
                 apply_ulysses(trainer.accelerator.unwrap_model(ref), mesh)
     if any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__):
         from .sft_metrics import UlyssesSFTMixin
