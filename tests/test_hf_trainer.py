@@ -307,3 +307,21 @@ def test_a_parallelism_config_that_contradicts_sp_is_refused(sizes):
     with pytest.raises(ValueError, match=rf"ParallelismConfig has .*{key}=2.* contradicts sp=2") as e:
         ulysses_trainer(trainer, 2)
     assert "\n" not in str(e.value)
+
+
+def test_at_dp1_the_last_short_batch_stays_short():
+    """accelerate shards the loader over every process; ulysses_trainer re-shards it by the dp rank. At dp=1 the
+    epoch's short last batch is one process's (accelerate's even_batches completed it with the epoch's first row, so
+    that row was trained twice)."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from titan_ulysses.integrations.transformers.trainer import _reshard
+
+    rows = BatchSampler(SequentialSampler(range(5)), batch_size=2, drop_last=False)
+    for dp, expected in ((1, [[[0, 1], [2, 3], [4]]]), (2, [[[0, 1], [4, 0]], [[2, 3], [1, 2]]])):
+        for rank in range(dp):  # at dp=2 accelerate's own even batches, as DDP without sp gets them
+            loader = SimpleNamespace(batch_sampler=BatchSamplerShard(rows, num_processes=4, process_index=rank))
+            assert list(_reshard(loader, dp, rank).batch_sampler) == expected[rank], (dp, rank)
