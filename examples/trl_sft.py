@@ -58,8 +58,8 @@ def make_trainer(args: argparse.Namespace) -> SFTTrainer:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     config = SFTConfig(output_dir=args.output, max_steps=args.steps, per_device_train_batch_size=2,
                        gradient_accumulation_steps=2, learning_rate=args.lr, optim=args.optim, logging_steps=1,
-                       save_strategy="no", report_to=[], max_length=256, completion_only_loss=True, bf16=torch.cuda.is_available(),
-                       use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+                       save_strategy="no", report_to=[], max_length=256, completion_only_loss=True,
+                       bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
                        **({"fsdp": True, "fsdp_config": {"version": 2}} if args.fsdp else {}))
     return SFTTrainer(model=model, args=config, train_dataset=pairs(args.text), processing_class=tokenizer)
 
@@ -75,7 +75,8 @@ def main() -> None:
         wrap = "FSDP2" if trainer.accelerator.is_fsdp2 else "DDP"
         print(f"loss {logs[0]['loss']:.4f} -> {logs[-1]['loss']:.4f} in {len(logs)} steps at sp={args.sp} under "
               f"{wrap}; saved {args.output}", flush=True)
-        print(json.dumps({"wrap": wrap, "loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs]}))
+        print(json.dumps({"wrap": wrap, "loss": [h["loss"] for h in logs],
+                          "grad_norm": [h["grad_norm"] for h in logs]}))
 
 
 if __name__ == "__main__":

@@ -118,7 +118,15 @@ def build_trainer(kind: str, out: str, batch: int, tokenizer_folder: str, smollm
                      packing=packing, max_length=64, padding_free=packing, dataset_num_proc=None)
     model = (transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32, num_hidden_layers=2)
              if smollm2 else tiny_llama(len(tokenizer)))
-    return SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict(rows),
+    evals = None
+    # evaluation too (its loss and TRL's token metrics), batches as training's; at dp=1 only: at dp > 1 TRL's own eval
+    # loss is a mean of the dp ranks' batch means and its metrics pool the dp ranks, which no one-process batching gives
+    if kind == "sft":
+        args.per_device_eval_batch_size = batch
+        pairs = [(text(int(torch.randint(2, 6, (1,), generator=g))),
+                  " " + text(int(torch.randint(2, 6, (1,), generator=g)))) for _ in range(16)]
+        evals = datasets.Dataset.from_dict({"prompt": [p for p, _ in pairs], "completion": [c for _, c in pairs]})
+    return SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict(rows), eval_dataset=evals,
                       processing_class=tokenizer)
 
 
@@ -139,6 +147,8 @@ def one_process(kind: str, tmp, folders, dp: int = 1, steps: int = STEPS) -> dic
     out = result(trainer)
     if kind == "trainer":
         out["eval"] = torch.tensor(trainer.evaluate()["eval_loss"])
+    if kind == "sft":
+        out["eval"] = trainer.evaluate()
     return out
 
 
@@ -163,8 +173,8 @@ def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict, steps: int =
     for kind in kinds:
         chunk = 16 if kind == "sft_packed" else 0  # packed rows through the fused loss: no logits, no entropy logged
         wrap = {} if kind in DDP_KINDS else FSDP2
-        if not wrap:  # accelerate leaves ACCELERATE_USE_FSDP=true in the process after a trainer with an FSDP plugin,
-            os.environ.pop("ACCELERATE_USE_FSDP", None)  # which a later Accelerator (and ulysses_trainer) reads as FSDP1
+        if not wrap:  # accelerate leaves ACCELERATE_USE_FSDP=true in the process after a trainer with an FSDP
+            os.environ.pop("ACCELERATE_USE_FSDP", None)  # plugin: a later Accelerator (and ulysses_trainer) reads FSDP1
         trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders, max_steps=steps, **wrap), sp=2,
                                   loss_chunk_size=chunk)
         trainer.train()
@@ -175,6 +185,10 @@ def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict, steps: int =
             assert set(got["metrics"]) == ({"num_tokens"} if chunk else set(SFT_METRICS)), got["metrics"].keys()
             for key, values in got["metrics"].items():
                 assert_close(values, ref["metrics"][key], f"{kind} {key}", rtol=1e-5, atol=1e-6)
+        if kind == "sft":  # evaluation: the loss and TRL's entropy and token accuracy of one process
+            evaluated = trainer.evaluate()
+            for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+                assert_close(torch.tensor(evaluated[key]), torch.tensor(ref["eval"][key]), key)
         if kind == "dpo":  # the reference model too, as TRL shards it where accelerate keeps FSDP (GPU)
             from torch.distributed.fsdp import FSDPModule
 
@@ -195,7 +209,7 @@ def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict, steps: int =
             dpo._gather_sequence = gather
             bad = result(planted)["grad_norms"]  # the first loss is log 2 either way: policy = reference
             assert (bad[0] - ref["grad_norms"][0]).abs() > 1e-2 * ref["grad_norms"][0], (bad, ref["grad_norms"])
-        if kind == "trainer" and dp == 1:  # Granite's logits_scaling through the fused loss (chunks of 8) and tiled MLPs
+        if kind == "trainer" and dp == 1:  # Granite's logits_scaling through the fused loss (chunks of 8), tiled MLPs
             fused = ulysses_trainer(build_trainer(kind, f"{tmp}/fused", 2, *folders, **FSDP2), sp=2, loss_chunk_size=8,
                                     mlp_tile_size=4)
             fused.train()
@@ -284,7 +298,8 @@ def test_fsdp1_from_accelerate_launch_is_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "1")
     trainer = transformers.Trainer.__new__(transformers.Trainer)  # the check reads args only: no model, no group
-    trainer.args, trainer.compute_metrics, trainer.compute_loss_func = SimpleNamespace(fsdp_plugin_args=None), None, None
+    trainer.args = SimpleNamespace(fsdp_plugin_args=None)
+    trainer.compute_metrics = trainer.compute_loss_func = None
     with pytest.raises(ValueError, match=r"FSDP1 .*fsdp_version: 2") as e:
         ulysses_trainer(trainer, 2)
     assert "\n" not in str(e.value)
@@ -293,7 +308,7 @@ def test_fsdp1_from_accelerate_launch_is_refused(monkeypatch):
 @pytest.mark.parametrize("sizes", [{"sp_size": 2}, {"cp_size": 2}, {"tp_size": 2},
                                    {"dp_replicate_size": 2, "dp_shard_size": 2}])
 def test_a_parallelism_config_that_contradicts_sp_is_refused(sizes):
-    """accelerate's ParallelismConfig with another sequence split (DeepSpeed's sp, cp), tp or HSDP: one line naming it."""
+    """accelerate's ParallelismConfig with another sequence split (DeepSpeed's sp, cp), tp or HSDP: one line."""
     from types import SimpleNamespace
 
     from accelerate.parallelism_config import ParallelismConfig

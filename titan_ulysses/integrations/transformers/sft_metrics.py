@@ -1,4 +1,4 @@
-"""TRL SFTTrainer's token metrics at sp=N: ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` as one process logs them.
+"""TRL SFTTrainer's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` at sp=N, as one process logs them.
 
 TRL computes them in its ``compute_loss`` (which ``ulysses_trainer`` replaces) from the per-token
 outputs of the full rows, summed over the processes it gathers. Here each rank holds S/sp tokens of
@@ -26,7 +26,7 @@ def _summed(values: list, group, device) -> list[float]:
 
 
 def _slice_sums(logits: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
-    """This rank's (label tokens, summed entropy, correct top-1) of its logits [B, S/sp, V] and shift_labels [B, S/sp]."""
+    """This rank's (label tokens, summed entropy, correct top-1): logits [B, S/sp, V], shift_labels [B, S/sp]."""
     keep = labels != IGNORE_INDEX  # [B, S/sp]
     with torch.no_grad():
         kept = logits[keep].float()  # [N, V]: the positions TRL scores

@@ -17,8 +17,9 @@ What it changes, and nothing else (no second trainer, exchange or loss):
 - DPO: each row's log-probability is summed over the whole sequence across the sp ranks
   (a differentiable all-gather of the per-token scores) before the DPO loss (``dpo.py``).
 Logging and evaluation then see one process's values (SFT's token metrics: ``sft_metrics.py``);
-``save_model`` writes the model with the kernel it was loaded with. Trainers the path cannot serve exactly (GRPO and the other
-generation or reward trainers, ``compute_metrics``, iterable datasets) are refused in one line.
+``save_model`` writes the model with the kernel it was loaded with. Trainers the path cannot
+serve exactly (GRPO and the other generation or reward trainers, ``compute_metrics``, iterable
+datasets) are refused in one line.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def _fsdp2_on_cpu(trainer) -> None:
         return
     plugin_args = getattr(trainer.args, "fsdp_plugin_args", None)
     # the Trainer's plugin, else accelerate's own from the launcher's FSDP_* environment (as Accelerator builds it)
-    plugin = FullyShardedDataParallelPlugin(**plugin_args) if plugin_args is not None else FullyShardedDataParallelPlugin()
+    plugin = FullyShardedDataParallelPlugin(**(plugin_args or {}))
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
     state.fsdp_plugin, state.distributed_type = plugin, DistributedType.FSDP
