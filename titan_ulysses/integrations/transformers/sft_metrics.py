@@ -25,14 +25,22 @@ def _summed(values: list, group, device) -> list[float]:
     return totals.tolist()
 
 
-def _slice_sums(logits: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
-    """This rank's (label tokens, summed entropy, correct top-1): logits [B, S/sp, V], shift_labels [B, S/sp]."""
+def _slice_sums(logits: torch.Tensor, labels: torch.Tensor, chunk: int = 2048) -> list[torch.Tensor]:
+    """This rank's (label tokens, summed entropy, correct top-1): logits [B, S/sp, V], shift_labels [B, S/sp].
+
+    ``chunk`` label positions at a time, so the fp32 softmax adds at most [chunk, V] to the logits' memory."""
     keep = labels != IGNORE_INDEX  # [B, S/sp]
+    entropy = torch.zeros((), dtype=torch.float64, device=logits.device)
+    correct = torch.zeros((), dtype=torch.int64, device=logits.device)
     with torch.no_grad():
-        kept = logits[keep].float()  # [N, V]: the positions TRL scores
-        logp = kept.log_softmax(-1)
-        entropy = -(logp.exp() * logp).sum()
-        correct = (kept.argmax(-1) == labels[keep]).sum()
+        positions = keep.flatten().nonzero().squeeze(1)  # the positions TRL scores
+        flat, targets = logits.flatten(0, 1), labels.flatten()  # [B * S/sp, V], [B * S/sp]
+        for start in range(0, positions.numel(), chunk):
+            index = positions[start:start + chunk]
+            part = flat[index].float()  # [chunk, V]
+            logp = part.log_softmax(-1)
+            entropy += -(logp.exp() * logp).sum().double()
+            correct += (part.argmax(-1) == targets[index]).sum()
     return [keep.sum(), entropy, correct]
 
 
