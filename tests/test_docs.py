@@ -21,7 +21,7 @@ GUIDE_PAGES = ["recipes.md", "parallelism.md", "memory.md", "context_extension.m
 # Pages with ```bash blocks that this test does not run, and why (anything else with one must be in GUIDE_PAGES).
 NOT_RUN_HERE = {
     "smollm2.md": "downloads a wheel; tests/test_smollm2.py runs its steps short on the real model",
-    "transformers.md": "tests/test_hf_ulysses.py runs its example (examples/hf_loop.py)",
+    "transformers.md": "tests/test_hf_ulysses.py runs examples/hf_loop.py, tests/test_hf_trainer.py examples/trl_sft.py",
 }
 TROUBLESHOOTING = os.path.join(DOCS, "troubleshooting.md")
 

@@ -14,6 +14,7 @@ process's tensors.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -62,6 +63,42 @@ class _SPScorer:
                                 ("is_top1", is_top1.to(torch.uint8)))}
         full["is_top1"] = full["is_top1"].bool()
         return SimpleNamespace(**full, log_sum_sq_probs=None, aux_loss=None, logits=None)
+
+
+def shard_reference(trainer, ref):
+    """DPO's reference model under FSDP2 as TRL shards it (``prepare_fsdp``: one ``fully_shard`` over every rank).
+
+    TRL shards it in ``DPOTrainer.__init__`` when accelerate's state holds an FSDP plugin (GPU); on
+    CPU accelerate dropped the plugin there and ``ulysses_trainer`` gives it back later, so the
+    reference model is sharded here, before ``apply_ulysses``, in the order it has on GPU."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not getattr(trainer, "is_fsdp_enabled", False) or isinstance(ref, FSDPModule):
+        return ref
+    from trl.models import prepare_fsdp
+
+    return prepare_fsdp(ref, trainer.accelerator)
+
+
+@contextmanager
+def unsharded(model, reshard_after_forward=True):
+    """Full parameters in ``model``'s FSDP2 units while ``apply_ulysses`` probes it (DPO's reference model, sharded by
+    TRL): the probe calls submodules one by one, outside the root's hooks, where FSDP2 leaves sharded DTensors, and
+    differentiates through a forward after which FSDP2 would free the full parameters. ``reshard_after_forward``:
+    the inner units' setting to restore (TRL's, from accelerate's plugin)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield model
+    finally:
+        for unit in units:
+            unit.reshard()
+            if unit is not model:  # the root keeps False, as FSDP2's lazy init (in the probe's forward) sets it
+                unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
 
 
 class UlyssesDPOMixin:

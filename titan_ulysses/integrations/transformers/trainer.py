@@ -6,7 +6,8 @@
 
 What it changes, and nothing else (no second trainer, exchange or loss):
 - the model (and DPO's reference model) goes under :func:`apply_ulysses` over a ``(dp, sp)``
-  mesh of every process, before accelerate wraps it (DDP, or FSDP2 over every rank);
+  mesh of every process, before accelerate wraps it (DDP, or FSDP2 over every rank, asked for
+  in the TrainingArguments or by ``accelerate launch``'s config; on CPU too);
 - accelerate's data loader shards by the dp rank only (its own ``BatchSamplerShard``, with the
   dp degree and rank): every rank of an sp group gets the same rows, in the same order;
 - ``compute_loss`` cuts the rows with :func:`shard_batch` and sums this rank's token losses.
@@ -15,12 +16,15 @@ What it changes, and nothing else (no second trainer, exchange or loss):
   rows and summed over dp), never by a per-rank or per-micro-batch count;
 - DPO: each row's log-probability is summed over the whole sequence across the sp ranks
   (a differentiable all-gather of the per-token scores) before the DPO loss (``dpo.py``).
-Logging and evaluation then see one process's values; ``save_model`` writes the model with
-the kernel it was loaded with. Trainers the path cannot serve exactly (GRPO and the other
-generation or reward trainers, ``compute_metrics``, iterable datasets) are refused in one line.
+Logging and evaluation then see one process's values (SFT's token metrics: ``sft_metrics.py``);
+``save_model`` writes the model with the kernel it was loaded with. Trainers the path cannot
+serve exactly (GRPO and the other generation or reward trainers, ``compute_metrics``, iterable
+datasets) are refused in one line.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -55,8 +59,23 @@ def _trl_refusal(trainer) -> str | None:
     return None
 
 
+def _parallelism_refusal(trainer, sp: int) -> str | None:
+    """accelerate's ParallelismConfig (the TrainingArguments' or the launcher's) may only shard over every rank."""
+    accelerator = getattr(trainer, "accelerator", None)
+    config = getattr(accelerator, "parallelism_config", None) or getattr(trainer.args, "parallelism_config", None)
+    if config is None:
+        return None
+    other = [f"{k}={getattr(config, k)}" for k in ("sp_size", "cp_size", "tp_size", "dp_replicate_size")
+             if (getattr(config, k, None) or 1) > 1]
+    if not other:
+        return None
+    return (f"ulysses_trainer: accelerate's ParallelismConfig has {', '.join(other)}, which contradicts sp={sp} over a "
+            f"(dp, sp) mesh with FSDP2 over every rank (sp_size is DeepSpeed's Ulysses, cp_size / tp_size split the "
+            f"sequence or weights again, dp_replicate_size is HSDP, untested here); leave them at 1")
+
+
 def _check(trainer, sp: int) -> None:
-    reason = _trl_refusal(trainer)
+    reason = _trl_refusal(trainer) or _parallelism_refusal(trainer, sp)
     if reason is None and trainer.compute_metrics is not None:
         reason = ("ulysses_trainer: compute_metrics needs every rank's full logits; evaluate the loss only "
                   "(compute_metrics=None) or evaluate without sp")
@@ -64,9 +83,9 @@ def _check(trainer, sp: int) -> None:
         reason = "ulysses_trainer: use_liger_kernel replaces the loss this path splits; set it to False"
     if reason is None and trainer.compute_loss_func is not None:
         reason = "ulysses_trainer: compute_loss_func is not split over sp; leave it unset"
-    fsdp = getattr(trainer.args, "fsdp_plugin_args", None)
-    if reason is None and fsdp is not None and fsdp.get("fsdp_version") != 2:
-        reason = "ulysses_trainer: FSDP1 (fsdp_config version 1) is not supported; set fsdp_config={'version': 2}"
+    if reason is None and _asked_fsdp_version(trainer) not in (None, 2):
+        reason = ("ulysses_trainer: FSDP1 (fsdp_config version 1) is not supported; set fsdp_config={'version': 2} "
+                  "(accelerate launch's config: fsdp_version: 2)")
     if reason is None and (not dist.is_initialized() or dist.get_world_size() % sp or sp < 2):
         world = dist.get_world_size() if dist.is_initialized() else 1
         reason = (f"ulysses_trainer: sp={sp} needs 2 or more processes dividing the world ({world}); launch with "
@@ -75,34 +94,60 @@ def _check(trainer, sp: int) -> None:
         raise ValueError(reason)
 
 
+def _asked_fsdp_version(trainer) -> int | None:
+    """The FSDP version the run asks for (None: no FSDP): accelerate's state, the TrainingArguments (``fsdp=``), or
+    ``accelerate launch``'s config (its ``ACCELERATE_USE_FSDP`` / ``FSDP_VERSION`` environment), in that order."""
+    accelerator = getattr(trainer, "accelerator", None)
+    plugin = getattr(accelerator.state, "fsdp_plugin", None) if accelerator is not None else None
+    if plugin is not None:
+        return plugin.fsdp_version
+    plugin_args = getattr(trainer.args, "fsdp_plugin_args", None)
+    if plugin_args is not None:
+        return plugin_args.get("fsdp_version", 1)
+    from accelerate.utils import parse_flag_from_env
+
+    if parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        return int(os.environ.get("FSDP_VERSION", "1"))
+    return None
+
+
 def _fsdp2_on_cpu(trainer) -> None:
-    """FSDP2 as the TrainingArguments ask (``fsdp=True``), on CPU too.
+    """FSDP2 as the run asks (``fsdp=True`` in the TrainingArguments, or ``accelerate launch`` with an FSDP2 config),
+    on CPU too.
 
     accelerate 1.15 switches its state to FSDP only for GPU-like device types: on CPU (MULTI_CPU)
-    it drops the plugin transformers built, and the Trainer would silently train under DDP. Here
-    the state takes that plugin, so ``accelerator.prepare`` runs accelerate's own FSDP2 path.
+    it drops the plugin (transformers' from the TrainingArguments, or its own from the launcher's
+    environment), and the Trainer would silently train under DDP. Here the state takes that plugin,
+    built as they build it, so ``accelerator.prepare`` runs accelerate's own FSDP2 path.
     """
-    plugin_args = getattr(trainer.args, "fsdp_plugin_args", None)
-    if plugin_args is None:
-        return
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     state = trainer.accelerator.state
-    if state.distributed_type == DistributedType.MULTI_CPU and getattr(state, "fsdp_plugin", None) is None:
-        plugin = FullyShardedDataParallelPlugin(**plugin_args)
-        if state.mixed_precision != "no":
-            plugin.set_mixed_precision(state.mixed_precision)
-        state.fsdp_plugin, state.distributed_type = plugin, DistributedType.FSDP
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState does on GPU
-        trainer.is_fsdp_enabled = True
+    if state.distributed_type != DistributedType.MULTI_CPU or getattr(state, "fsdp_plugin", None) is not None:
+        return
+    if _asked_fsdp_version(trainer) is None:
+        return
+    plugin_args = getattr(trainer.args, "fsdp_plugin_args", None)
+    # the Trainer's plugin, else accelerate's own from the launcher's FSDP_* environment (as Accelerator builds it)
+    plugin = FullyShardedDataParallelPlugin(**(plugin_args or {}))
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin, state.distributed_type = plugin, DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState does on GPU
+    trainer.is_fsdp_enabled = True
 
 
 def _reshard(loader, dp: int, dp_rank: int):
-    """Make accelerate's prepared loader shard by the dp rank only: the same rows on every rank of an sp group."""
+    """Make accelerate's prepared loader shard by the dp rank only: the same rows on every rank of an sp group.
+
+    At dp=1 it yields one process's batches: accelerate's ``even_batches`` would complete a short last
+    batch with rows from the start of the epoch, to even out processes that do not exist here."""
     batch_sampler = getattr(loader, "batch_sampler", None)
     if type(batch_sampler).__name__ == "BatchSamplerShard" and not batch_sampler.split_batches:
         batch_sampler.num_processes, batch_sampler.process_index = dp, dp_rank
+        if dp == 1:
+            batch_sampler.even_batches = False
         return loader
     raise ValueError(f"ulysses_trainer: the data loader is {type(loader).__name__} over "
                      f"{type(getattr(loader, 'dataset', None)).__name__}; only map-style datasets (datasets.Dataset, "
@@ -192,12 +237,19 @@ def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: i
     bases = [UlyssesTrainerMixin, type(trainer)]
     dpo = any(c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
     if dpo:
-        from .dpo import UlyssesDPOMixin
+        from .dpo import UlyssesDPOMixin, shard_reference, unsharded
 
         bases.insert(0, UlyssesDPOMixin)
         ref = getattr(trainer, "ref_model", None)
         if ref is not None:
-            apply_ulysses(trainer.accelerator.unwrap_model(ref), mesh)
+            ref = trainer.ref_model = shard_reference(trainer, ref)  # under FSDP2 as TRL shards it on GPU
+            plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)  # None under DDP
+            with unsharded(ref, getattr(plugin, "reshard_after_forward", True)):
+                apply_ulysses(trainer.accelerator.unwrap_model(ref), mesh)
+    if any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__):
+        from .sft_metrics import UlyssesSFTMixin
+
+        bases.insert(0, UlyssesSFTMixin)  # TRL's entropy, token accuracy and token count, as one process logs them
     trainer.__class__ = type(f"Ulysses{type(trainer).__name__}", tuple(bases), {})
     trainer.ulysses_mesh = mesh
     trainer.ulysses_kernel = kernel
