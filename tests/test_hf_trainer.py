@@ -171,18 +171,26 @@ def _sp_run(kinds: list[str], tmp: str, folders: tuple, refs: dict, steps: int =
         (dpo._gather_sequence(x, second) * 2).sum().backward()
         assert_close(x.grad, torch.full_like(x, 2.0), "all-gather backward on a group without rank 0")
     for kind in kinds:
-        chunk = 16 if kind == "sft_packed" else 0  # packed rows through the fused loss: no logits, no entropy logged
         wrap = {} if kind in DDP_KINDS else FSDP2
         if not wrap:  # accelerate leaves ACCELERATE_USE_FSDP=true in the process after a trainer with an FSDP
             os.environ.pop("ACCELERATE_USE_FSDP", None)  # plugin: a later Accelerator (and ulysses_trainer) reads FSDP1
-        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders, max_steps=steps, **wrap), sp=2,
-                                  loss_chunk_size=chunk)
+        if kind == "sft" and dp == 1:  # SFT scores through TRL's own fused head: a second fused loss is refused
+            with pytest.raises(ValueError, match="TRL's own fused LM head"):
+                ulysses_trainer(build_trainer(kind, f"{tmp}/refused", 2, *folders, max_steps=steps, **wrap), sp=2,
+                                loss_chunk_size=16)
+        trainer = ulysses_trainer(build_trainer(kind, f"{tmp}/sp_{kind}", 2, *folders, max_steps=steps, **wrap), sp=2)
+        head = trainer.accelerator.unwrap_model(trainer.model).get_output_embeddings()
+        calls = []
+        hook = head.register_forward_hook(lambda m, a, out: calls.append(tuple(out.shape)))
         trainer.train()
+        hook.remove()
+        if kind.startswith("sft"):  # TRL's fused head: lm_head's module never runs, no [B, S/sp, vocab] logits
+            assert calls == [], calls
         assert trainer.accelerator.is_fsdp2 == bool(wrap), (kind, trainer.accelerator.distributed_type)
         got, ref = result(trainer), refs[kind]
         assert len(got["losses"]) == steps
         if kind.startswith("sft"):  # TRL's metrics: one process's, or (fused loss) not logged at all
-            assert set(got["metrics"]) == ({"num_tokens"} if chunk else set(SFT_METRICS)), got["metrics"].keys()
+            assert set(got["metrics"]) == set(SFT_METRICS), got["metrics"].keys()
             for key, values in got["metrics"].items():
                 assert_close(values, ref["metrics"][key], f"{kind} {key}", rtol=1e-5, atol=1e-6)
         if kind == "sft":  # evaluation: the loss and TRL's entropy and token accuracy of one process

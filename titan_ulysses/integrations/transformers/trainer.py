@@ -16,7 +16,7 @@ What it changes, and nothing else (no second trainer, exchange or loss):
   rows and summed over dp), never by a per-rank or per-micro-batch count;
 - DPO: each row's log-probability is summed over the whole sequence across the sp ranks
   (a differentiable all-gather of the per-token scores) before the DPO loss (``dpo.py``).
-Logging and evaluation then see one process's values (SFT's token metrics: ``sft_metrics.py``);
+Logging and evaluation then see one process's values (SFT: TRL's fused LM head and its token metrics, ``sft.py``);
 ``save_model`` writes the model with the kernel it was loaded with. Trainers the path cannot
 serve exactly (GRPO and the other generation or reward trainers, ``compute_metrics``, iterable
 datasets) are refused in one line.
@@ -171,13 +171,17 @@ class UlyssesTrainerMixin:
             dist.all_reduce(count, group=self.ulysses_mesh["dp"].get_group())
         return count
 
-    def _ulysses_forward(self, model, inputs: dict):
-        """(outputs, this rank's summed token loss, shift_labels) of this rank's slice of ``inputs``' full rows."""
+    def _ulysses_slice(self, inputs: dict) -> dict:
+        """This rank's slice of ``inputs``' full rows (``shard_batch``), after refusing keys it cannot split."""
         unknown = sorted(k for k, v in inputs.items() if k not in _BATCH_KEYS and v is not None)
         if unknown:
             raise ValueError(f"ulysses_trainer: the batch holds {unknown}, which this path does not split over sp; "
                              f"drop them from the collator's output")
-        local = shard_batch(inputs, self.ulysses_mesh)
+        return shard_batch(inputs, self.ulysses_mesh)
+
+    def _ulysses_forward(self, model, inputs: dict):
+        """(outputs, this rank's summed token loss, shift_labels) of this rank's slice of ``inputs``' full rows."""
+        local = self._ulysses_slice(inputs)
         ids, labels = local["input_ids"], local["shift_labels"]  # [B, S/sp]
         if not self.ulysses_loss_chunk:
             outputs = model(input_ids=ids, position_ids=local["position_ids"], use_cache=False)
@@ -217,19 +221,27 @@ def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: i
     Call it after building the trainer and before ``train()``; launch with torchrun (every
     process runs the script). The processes form a ``(dp, sp)`` mesh with dp = world / sp.
     Returns ``trainer``, whose class is now a subclass of its own with the methods above.
-    Memory options, off by default: ``loss_chunk_size`` > 0 computes the Trainer / SFT loss
-    with the project's linear cross-entropy over the model's ``lm_head`` in chunks of that many
-    tokens (its logit scale and softcap applied; checked on a 4-token forward first), so no
-    ``[B, S/sp, vocab]`` logits exist at once; ``mlp_tile_size`` and ``head_stages`` as ``apply_ulysses``.
+    Memory options, off by default: ``loss_chunk_size`` > 0 computes the ``Trainer`` loss with
+    the project's linear cross-entropy over the model's ``lm_head`` in chunks of that many tokens
+    (``apply_ulysses(fused_loss=True)``), so no ``[B, S/sp, vocab]`` logits exist at once (TRL's SFT
+    and DPO trainers score through TRL's own fused LM head already); ``mlp_tile_size`` and
+    ``head_stages`` as ``apply_ulysses``.
     """
     _check(trainer, sp)
     _fsdp2_on_cpu(trainer)
     world = dist.get_world_size()
     device = trainer.args.device.type
     model = trainer.accelerator.unwrap_model(trainer.model)
-    if loss_chunk_size > 0 and any(c.__name__ == "DPOTrainer" for c in type(trainer).__mro__):
-        raise ValueError(f"ulysses_trainer: loss_chunk_size={loss_chunk_size}: DPO scores tokens through TRL's own "
-                         f"head; leave it at 0")
+    trl_head = next((c.__name__ for c in type(trainer).__mro__ if c.__name__ in SUPPORTED_TRL), None)
+    if loss_chunk_size > 0 and trl_head is not None:
+        raise ValueError(f"ulysses_trainer: loss_chunk_size={loss_chunk_size}: {trl_head} scores tokens through TRL's "
+                         f"own fused LM head (no [B, S/sp, vocab] logits either); leave it at 0")
+    if trl_head == "SFTTrainer":
+        from .sft import fused_head_refusal as sft_refusal
+
+        reason = sft_refusal(model)
+        if reason:
+            raise ValueError(reason)
     mesh = init_device_mesh(device, (world // sp, sp), mesh_dim_names=("dp", "sp"))
     kernel = model.config._attn_implementation
     apply_ulysses(model, mesh, mlp_tile_size=mlp_tile_size, head_stages=head_stages, fused_loss=loss_chunk_size > 0,
@@ -246,10 +258,10 @@ def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: i
             plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)  # None under DDP
             with unsharded(ref, getattr(plugin, "reshard_after_forward", True)):
                 apply_ulysses(trainer.accelerator.unwrap_model(ref), mesh)
-    if any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__):
-        from .sft_metrics import UlyssesSFTMixin
+    if trl_head == "SFTTrainer":
+        from .sft import UlyssesSFTMixin
 
-        bases.insert(0, UlyssesSFTMixin)  # TRL's entropy, token accuracy and token count, as one process logs them
+        bases.insert(0, UlyssesSFTMixin)  # TRL's fused LM head on the slice; its metrics as one process logs them
     trainer.__class__ = type(f"Ulysses{type(trainer).__name__}", tuple(bases), {})
     trainer.ulysses_mesh = mesh
     trainer.ulysses_kernel = kernel
