@@ -54,6 +54,7 @@ def _user_loop() -> None:
     from test_hf_ulysses import make_batch, reference
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from trl.trainer.utils import add_fused_lm_head
 
     from titan_ulysses.integrations.transformers import apply_ulysses, fsdp_mesh, shard_batch, sp_loss
 
@@ -96,12 +97,15 @@ def _user_loop() -> None:
             bad = sp_loss(out.loss, local["shift_labels"], mesh)
         assert (bad - ref_loss).abs() > 1e-2 * ref_loss, (name, planted, bad, ref_loss)
 
-    # refusals, one line each: a head the fused loss does not reproduce (a logit_scale Llama never applies), a
+    # refusals, one line each: a forward replaced on the instance, a head the fused loss does not reproduce (a logit_scale Llama never applies), a
     # router loss it would drop, a chunk without the option, labels the forward would shift within the rank's slice
     lying = transformers.LlamaConfig(**BASE, logit_scale=2.0, attn_implementation="sdpa")
     router = transformers.Qwen3MoeConfig(**BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                          output_router_logits=True, attn_implementation="sdpa")
+    patched = build("granite-logits-scaling")
+    add_fused_lm_head(patched)  # TRL's SFT and DPO trainers patch the instance's forward: it would skip the fused loss
     for model, kwargs, words in (
+            (patched, dict(fused_loss=True), "replaced on the instance"),
             (transformers.AutoModelForCausalLM.from_config(lying), dict(fused_loss=True), "does not reproduce"),
             (transformers.AutoModelForCausalLM.from_config(router), dict(fused_loss=True), "output_router_logits"),
             (build("granite-logits-scaling"), dict(loss_chunk_size=8), "add fused_loss=True")):

@@ -184,6 +184,9 @@ def fuse_head_loss(model: nn.Module, chunk_size: int = 0) -> None:
     reason = fused_head_refusal(model)
     if reason is None and "logits_to_keep" not in inspect.signature(base.forward).parameters:
         reason = f"{base.__name__}'s forward takes no logits_to_keep, so it would compute every logit anyway"
+    if reason is None and "forward" in vars(model):  # TRL's add_fused_lm_head, for one: it calls the class's own
+        reason = (f"this {base.__name__}'s forward is replaced on the instance (TRL's add_fused_lm_head, for one), "
+                  f"which would call the model's original forward and skip the fused loss; apply_ulysses first")
     if reason is None and getattr(model.config.get_text_config(), "output_router_logits", False):
         reason = (f"{base.__name__}'s config.output_router_logits adds a router loss to transformers' loss that the "
                   f"fused loss does not compute; set it to False")
