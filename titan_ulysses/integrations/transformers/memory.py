@@ -167,8 +167,8 @@ def _fused_class(cls: type) -> type:
                              f"{tuple(shift.shape)} for hidden states {tuple(seen['h'].shape[:2])}; pass "
                              f"shard_batch's shift_labels of this rank's slice")
         summed = fused_loss_sum(self, seen["h"], shift, head.chunk_size, (head.scale, head.softcap))  # [] fp32
-        count = (shift != -100).sum()
-        loss = summed / (num_items if num_items is not None else count.clamp(min=1))  # transformers' convention
+        count = num_items if num_items is not None else (shift != -100).sum().clamp(min=1)  # transformers' convention
+        loss = summed / count
         out = dataclasses.replace(out, loss=loss, logits=None)
         return out.to_tuple() if as_tuple else out
 

@@ -20,10 +20,10 @@ import torch.distributed as dist
 __all__ = ["UlyssesSFTMixin", "fused_head_refusal"]
 
 
-def _summed(values: list, group, device) -> list[float]:
-    """``values`` summed over the ranks of ``group`` (None: every rank), on the group's device."""
+def _summed(values: list, device) -> list[float]:
+    """``values`` summed over every rank (one all-reduce), read on the host as TRL reads its metrics."""
     totals = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
-    dist.all_reduce(totals, group=group)
+    dist.all_reduce(totals)
     return totals.tolist()
 
 
@@ -47,14 +47,13 @@ class UlyssesSFTMixin:
         summed = -outputs.log_probs.float().sum()  # zero on ignored positions; bf16 under FSDP2 mixed precision
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics[mode]
-        sums = [outputs.label_mask.sum(), outputs.entropy.detach().float().sum(), outputs.is_top1.sum()]
-        n, entropy, correct = _summed(sums, None, labels.device)
+        mask = inputs.get("attention_mask")  # TRL's token count: the mask's tokens, or the padding-free rows' width
+        rows = mask.sum() if mask is not None else inputs["position_ids"].size(1)
+        sums = [outputs.label_mask.sum(), outputs.entropy.detach().float().sum(), outputs.is_top1.sum(), rows]
+        n, entropy, correct, tokens = _summed(sums, labels.device)  # one all-reduce over every rank
         metrics["entropy"].append(entropy / n if n > 0 else 0.0)
         metrics["mean_token_accuracy"].append(correct / n if n > 0 else 0.0)
-        if mode == "train":  # TRL: the attention mask's tokens, or the padding-free rows' width
-            mask = inputs.get("attention_mask")
-            rows = mask.sum() if mask is not None else inputs["position_ids"].size(1)
-            (tokens,) = _summed([rows], self.ulysses_mesh["dp"].get_group(), labels.device)
-            self._total_train_tokens += int(tokens) // self._tp_size
+        if mode == "train":  # every sp rank holds its dp rank's full rows: the sum over dp is the total over sp
+            self._total_train_tokens += int(tokens) // self.ulysses_mesh["sp"].size() // self._tp_size
         metrics["num_tokens"] = [self._total_train_tokens]
         return outputs, summed, labels
