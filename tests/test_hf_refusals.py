@@ -88,6 +88,21 @@ def test_bad_arguments_are_one_line():
     one_line(sp_loss, torch.randn(2, 8, 100), ids[:, :7], None, match=r"logits \(2, 8, 100\) and labels \(2, 7\)")
 
 
+@pytest.mark.parametrize("options, match", [
+    (dict(mlp_tile_size=-1), r"mlp_tile_size must be an integer >= 0 \(0 = off\), got -1$"),
+    (dict(head_stages=0), r"head_stages must be an integer >= 1 \(1 = off\), got 0$"),
+    (dict(head_stages=2.0), r"head_stages must be an integer >= 1 \(1 = off\), got 2.0$"),
+    (dict(loss_chunk_size=-8), r"loss_chunk_size must be an integer >= 0 \(0 = automatic\), got -8$"),
+    (dict(fused_loss="yes"), r"fused_loss='yes' must be True or False$")])
+def test_memory_options_of_the_wrong_type_or_range_are_one_line(options, match):
+    """Checked before the model or the mesh is touched: a negative tile or chunk was silently off before."""
+    from titan_ulysses.integrations.transformers import apply_ulysses, ulysses_trainer
+
+    one_line(apply_ulysses, tiny(transformers.LlamaConfig(**BASE)), None, match="^apply_ulysses: " + match, **options)
+    if "fused_loss" not in options:  # ulysses_trainer turns the fused loss on with loss_chunk_size
+        one_line(ulysses_trainer, object(), 2, match="^ulysses_trainer: " + match, **options)
+
+
 def test_unsupported_trl_trainers_are_refused():
     """GRPO (generation and rewards) and the other TRL trainers cannot be split exactly: one line naming the class."""
     from types import SimpleNamespace

@@ -227,6 +227,21 @@ def _positions_hook(sp_mesh: DeviceMesh):
     return hook
 
 
+def option_refusal(caller: str, mlp_tile_size=0, head_stages=1, fused_loss=False, loss_chunk_size=0) -> str | None:
+    """Why the memory options' types or ranges are wrong, in one line naming ``caller``'s option; None when right."""
+    def whole(v, low):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+    for name, value, low, meaning in (("mlp_tile_size", mlp_tile_size, 0, "0 = off"),
+                                      ("head_stages", head_stages, 1, "1 = off"),
+                                      ("loss_chunk_size", loss_chunk_size, 0, "0 = automatic")):
+        if not whole(value, low):
+            return f"{caller}: {name} must be an integer >= {low} ({meaning}), got {value!r}"
+    if not isinstance(fused_loss, bool):
+        return f"{caller}: fused_loss={fused_loss!r} must be True or False"
+    return None
+
+
 def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_tile_size: int = 0,
                   head_stages: int = 1, fused_loss: bool = False, loss_chunk_size: int = 0) -> nn.Module:
     """Switch ``model`` (a transformers decoder) to Ulysses over the ``sp_dim`` dim of ``mesh``.
@@ -245,7 +260,7 @@ def apply_ulysses(model: nn.Module, mesh: DeviceMesh, sp_dim: str = "sp", mlp_ti
     softcap applied) and no logits (``memory.fuse_head_loss``); ``loss_chunk_size`` > 0 overrides
     its automatic chunk. A head it cannot reproduce (checked on a 4-token forward) is refused.
     """
-    reason = _refusal(model)
+    reason = option_refusal("apply_ulysses", mlp_tile_size, head_stages, fused_loss, loss_chunk_size) or _refusal(model)
     if reason:
         raise ValueError(reason)
     from transformers import AttentionInterface

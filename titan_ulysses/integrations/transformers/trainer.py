@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_ulysses.ops.loss import IGNORE_INDEX
 
-from .attention import apply_ulysses
+from .attention import apply_ulysses, option_refusal
 from .batch import shard_batch, shifted_labels, sp_loss
 
 __all__ = ["ulysses_trainer"]
@@ -74,8 +74,9 @@ def _parallelism_refusal(trainer, sp: int) -> str | None:
             f"sequence or weights again, dp_replicate_size is HSDP, untested here); leave them at 1")
 
 
-def _check(trainer, sp: int) -> None:
-    reason = _trl_refusal(trainer) or _parallelism_refusal(trainer, sp)
+def _check(trainer, sp: int, options: dict) -> None:
+    reason = (option_refusal("ulysses_trainer", **options) or _trl_refusal(trainer)
+              or _parallelism_refusal(trainer, sp))
     if reason is None and trainer.compute_metrics is not None:
         reason = ("ulysses_trainer: compute_metrics needs every rank's full logits; evaluate the loss only "
                   "(compute_metrics=None) or evaluate without sp")
@@ -227,7 +228,7 @@ def ulysses_trainer(trainer, sp: int, loss_chunk_size: int = 0, mlp_tile_size: i
     and DPO trainers score through TRL's own fused LM head already); ``mlp_tile_size`` and
     ``head_stages`` as ``apply_ulysses``.
     """
-    _check(trainer, sp)
+    _check(trainer, sp, dict(mlp_tile_size=mlp_tile_size, head_stages=head_stages, loss_chunk_size=loss_chunk_size))
     _fsdp2_on_cpu(trainer)
     world = dist.get_world_size()
     device = trainer.args.device.type
